@@ -1,0 +1,29 @@
+# thinvm: the two commands are `make demo` and `make test`; both set up
+# everything they need first (Debian packages, venv, QEMU builds, images).
+CACHE ?= $(HOME)/.cache/thinvm
+VENV ?= $(CACHE)/venv
+PY := $(VENV)/bin/python3
+
+.PHONY: setup demo test lint qemu image clean-cache
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/thinvm demo
+
+test: setup
+	$(PY) -m ruff check thinvm tests
+	$(PY) -m mypy thinvm
+	$(PY) -m pytest -v -ra tests
+
+lint:
+	$(PY) -m ruff check thinvm tests
+	$(PY) -m ruff format --check thinvm tests
+	$(PY) -m mypy thinvm
+
+qemu:
+	bash qemu/build.sh all
+
+image:
+	bash guest/image/build.sh --kernel 6.1 --balloon stock

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Build Debian's QEMU 10.0 twice from one source: "stock" (Debian's own
+# patches only) and "patched" (plus thinvm's series in qemu/series).
+#
+# Everything lives in $THINVM_CACHE (default ~/.cache/thinvm), outside the
+# work tree, and every step is incremental: the source is fetched once, the
+# patched tree is refreshed file by file (so only files a patch touches get
+# a new mtime) and both builds share one ccache.
+#
+# Usage: qemu/build.sh [stock|patched|all]
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(dirname "$here")
+cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
+version=${THINVM_QEMU_VERSION:-1:10.0.13+ds-0+deb13u1}
+upstream=${version#*:}
+upstream=${upstream%-*}
+srcdir=$cache/src
+pristine=$cache/qemu/pristine-$upstream
+venv=${THINVM_VENV:-$cache/venv}
+
+export CCACHE_DIR=$cache/ccache
+export CCACHE_BASEDIR=$cache/qemu
+export CCACHE_NOHASHDIR=true
+export CCACHE_MAXSIZE=4G
+
+log() { printf '[qemu/build] %s\n' "$*" >&2; }
+die() { printf '[qemu/build] error: %s\n' "$*" >&2; exit 1; }
+
+fetch_source() {
+	local dsc=$srcdir/qemu_${version#*:}.dsc
+	[ -f "$dsc" ] && return
+	log "fetching Debian source package qemu=$version"
+	mkdir -p "$srcdir"
+	"$top/scripts/debian-apt.sh" update
+	(cd "$srcdir" && "$top/scripts/debian-apt.sh" source "qemu=$version")
+	[ -f "$dsc" ] || die "source package qemu=$version not found"
+}
+
+# Debian's own patches come first: the +ds tarball strips bundled firmware
+# and Python wheels and those patches teach the build to live without them.
+unpack_pristine() {
+	[ -f "$pristine/.thinvm-unpacked" ] && return
+	log "unpacking $upstream with Debian's patches"
+	rm -rf "$pristine" "$pristine.tmp"
+	mkdir -p "$pristine.tmp"
+	tar -xf "$srcdir/qemu_$upstream.orig.tar.xz" -C "$pristine.tmp" --strip-components=1
+	tar -xf "$srcdir/qemu_${version#*:}.debian.tar.xz" -C "$pristine.tmp"
+	local p
+	while read -r p; do
+		case "$p" in ''|'#'*) continue ;; esac
+		patch -d "$pristine.tmp" -p1 -s -N -F0 <"$pristine.tmp/debian/patches/$p" ||
+			die "Debian patch $p does not apply"
+	done <"$pristine.tmp/debian/patches/series"
+	touch "$pristine.tmp/.thinvm-unpacked"
+	mv "$pristine.tmp" "$pristine"
+}
+
+series_files() {
+	local p
+	while read -r p; do
+		case "$p" in ''|'#'*) continue ;; esac
+		echo "$here/patches/$p"
+	done <"$here/series"
+}
+
+# Hash of the series file and every patch it lists, in order: names the
+# exact patched build. The stock build's hash is of the empty series.
+patch_hash() {
+	if [ "$1" = stock ]; then
+		printf '' | sha256sum | cut -c1-12
+		return
+	fi
+	{ cat "$here/series"; series_files | xargs -r cat; } | sha256sum | cut -c1-12
+}
+
+prepare_tree() {
+	local flavour=$1 tree=$cache/qemu/$1-src
+	if [ "$flavour" = stock ]; then
+		echo "$pristine"
+		return
+	fi
+	local stage=$cache/qemu/patched-stage p
+	rm -rf "$stage"
+	cp -a "$pristine" "$stage"
+	for p in $(series_files); do
+		[ -f "$p" ] || die "patch listed in qemu/series is missing: $p"
+		patch -d "$stage" -p1 -s -N -F0 --no-backup-if-mismatch <"$p" >&2 ||
+			die "patch $(basename "$p") does not apply"
+	done
+	mkdir -p "$tree"
+	# --checksum keeps the mtime of unchanged files, so make rebuilds
+	# only what the series changed.
+	rsync -a --checksum --delete "$stage/" "$tree/"
+	rm -rf "$stage"
+	echo "$tree"
+}
+
+configure_build() {
+	local flavour=$1 tree=$2 build=$cache/qemu/$1-build
+	if [ -f "$build/build.ninja" ]; then
+		echo "$build"
+		return
+	fi
+	log "configuring $flavour build"
+	rm -rf "$build"
+	mkdir -p "$build"
+	(cd "$build" && "$tree/configure" \
+		--python="$venv/bin/python3" \
+		--target-list=x86_64-softmmu \
+		--enable-kvm --enable-tcg \
+		--disable-docs --disable-install-blobs --disable-download \
+		--disable-user --disable-tools --disable-guest-agent \
+		--disable-gtk --disable-sdl --disable-vnc --disable-opengl \
+		--disable-spice --disable-curses --disable-xen \
+		--disable-werror \
+		--with-pkgversion="thinvm-$flavour" \
+		--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu) >&2 ||
+		die "configure failed for $flavour (see above)"
+	echo "$build"
+}
+
+write_stamp() {
+	local flavour=$1 build=$2 out=$cache/qemu/$1
+	mkdir -p "$out"
+	install -m 0755 "$build/qemu-system-x86_64" "$out/qemu-system-x86_64"
+	cat >"$out/build.json" <<JSON
+{
+  "flavour": "$flavour",
+  "debian_version": "$version",
+  "patch_hash": "$(patch_hash "$flavour")",
+  "patches": [$(if [ "$flavour" = patched ]; then series_files | xargs -r -n1 basename | sed 's/.*/"&"/' | paste -sd, -; fi)],
+  "binary": "$out/qemu-system-x86_64"
+}
+JSON
+}
+
+build_one() {
+	local flavour=$1 tree build
+	tree=$(prepare_tree "$flavour")
+	build=$(configure_build "$flavour" "$tree")
+	log "building $flavour ($(nproc) jobs)"
+	ninja -C "$build" -j"$(nproc)" qemu-system-x86_64 >&2 ||
+		die "$flavour build failed"
+	write_stamp "$flavour" "$build"
+	log "$flavour: $cache/qemu/$flavour/qemu-system-x86_64 (patch hash $(patch_hash "$flavour"))"
+}
+
+[ -x "$venv/bin/python3" ] || die "no build venv at $venv: run 'make setup' first"
+fetch_source
+unpack_pristine
+case "${1:-all}" in
+stock|patched) build_one "$1" ;;
+all) build_one stock; build_one patched ;;
+*) die "unknown build '$1' (stock, patched or all)" ;;
+esac

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Run apt-get against a private apt configuration that adds suites this
+# host's own apt does not carry (trixie sources, bookworm-backports
+# binaries), without touching the system configuration.
+#
+# The mirror is whatever this machine's apt already uses: it is read from
+# /etc/apt at run time, so no registry host name is written anywhere.
+#
+# Usage: debian-apt.sh update
+#        debian-apt.sh source PKG[=VER]       (unpacks into $PWD)
+#        debian-apt.sh download PKG[=VER]...  (into $PWD)
+#        debian-apt.sh policy PKG
+set -euo pipefail
+
+cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
+root=$cache/apt
+
+mirror_uri() {
+	local uri=""
+	if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+		uri=$(awk '/^URIs:/ { print $2; exit }' /etc/apt/sources.list.d/debian.sources)
+	fi
+	if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
+		uri=$(awk '$1 == "deb" && $0 !~ /security/ { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
+			/etc/apt/sources.list)
+	fi
+	if [ -z "$uri" ]; then
+		echo "debian-apt: cannot find the Debian mirror in /etc/apt" >&2
+		exit 1
+	fi
+	echo "$uri"
+}
+
+write_config() {
+	local uri keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+	uri=$(mirror_uri)
+	mkdir -p "$root/lists/partial" "$root/archives/partial" "$root/etc/preferences.d"
+	cat > "$root/etc/sources.list" <<SRC
+deb-src [signed-by=$keyring] $uri trixie main
+deb [signed-by=$keyring] $uri bookworm main
+deb [signed-by=$keyring] $uri bookworm-backports main
+SRC
+	cat > "$root/etc/apt.conf" <<CONF
+Dir::Etc::SourceList "$root/etc/sources.list";
+Dir::Etc::SourceParts "/nonexistent";
+Dir::Etc::PreferencesParts "$root/etc/preferences.d";
+Dir::State::Lists "$root/lists";
+Dir::State::Status "/var/lib/dpkg/status";
+Dir::Cache "$root";
+Dir::Cache::Archives "$root/archives";
+APT::Sandbox::User "root";
+Acquire::Languages "none";
+CONF
+}
+
+write_config
+export APT_CONFIG=$root/etc/apt.conf
+case "${1:-}" in
+update)
+	# Lists older than a day are refreshed; otherwise this is a no-op.
+	stamp=$root/lists/.stamp
+	if [ -z "$(find "$stamp" -mmin -1440 2>/dev/null)" ]; then
+		apt-get -q update >&2
+		touch "$stamp"
+	fi
+	;;
+source)
+	shift
+	apt-get -q --download-only source "$@" >&2
+	;;
+download)
+	shift
+	apt-get -q download "$@" >&2
+	;;
+policy|show|madison)
+	cmd=$1
+	shift
+	apt-cache "$cmd" "$@"
+	;;
+*)
+	echo "usage: $0 update|source|download|policy ..." >&2
+	exit 2
+	;;
+esac

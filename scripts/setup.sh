@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# All of thinvm's set-up, idempotent and incremental: host packages, the
+# Python venv, both QEMU builds and the default guest image.  A warm run
+# (nothing changed) takes a few seconds.
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
+venv=${THINVM_VENV:-$cache/venv}
+
+# Debian packages thinvm builds and runs with.  qemu-system-data and seabios
+# provide the firmware our minimal QEMU build does not install itself.
+packages=(
+	gcc make patch pkg-config ninja-build ccache rsync flex bison
+	libglib2.0-dev libpixman-1-dev zlib1g-dev
+	seabios qemu-system-data
+	busybox-static cpio kmod zstd xz-utils bc libelf-dev dwarves
+	python3-venv strace iproute2
+)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+install_packages() {
+	local missing=() p
+	for p in "${packages[@]}"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' ||
+			missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return
+	log "installing Debian packages: ${missing[*]}"
+	if [ "$(id -u)" -ne 0 ]; then
+		echo "[setup] error: need root to install ${missing[*]}" >&2
+		exit 1
+	fi
+	apt-get update -q >&2
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+}
+
+# The venv is rebuilt only when pyproject.toml changes.
+setup_venv() {
+	local stamp=$venv/.thinvm-stamp want
+	want=$(sha256sum "$top/pyproject.toml" | cut -c1-16)
+	if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/thinvm" ]; then
+		return
+	fi
+	log "creating Python venv $venv"
+	python3 -m venv "$venv"
+	"$venv/bin/pip" install -q --upgrade pip >&2
+	# meson >= 1.5 comes from PyPI: Debian 12's is too old for QEMU 10.
+	"$venv/bin/pip" install -q 'meson>=1.5' -e "$top[dev]" >&2
+	echo "$want" >"$stamp"
+}
+
+# An editable install points at whichever checkout installed it last; make
+# sure it is this one.
+point_venv_here() {
+	local where
+	where=$("$venv/bin/python3" -c 'import thinvm, os; print(os.path.dirname(os.path.dirname(thinvm.__file__)))')
+	if [ "$where" != "$top" ]; then
+		"$venv/bin/pip" install -q --no-deps -e "$top" >&2
+	fi
+}
+
+mkdir -p "$cache"
+install_packages
+setup_venv
+point_venv_here
+"$top/scripts/debian-apt.sh" update
+"$top/qemu/build.sh" all
+"$top/guest/image/build.sh" --kernel 6.1 --balloon stock >/dev/null
+log "ready: $venv/bin/thinvm"

@@ -1,0 +1,44 @@
+"""Fixtures for tests that boot real guests under QEMU."""
+
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from thinvm.vm import VM, VMConfig
+
+
+def qemu_pids() -> set[int]:
+    out = subprocess.run(
+        ["pgrep", "-f", "qemu-system-x86_64.*-name thinvm-"], capture_output=True, text=True
+    ).stdout
+    return {int(pid) for pid in out.split()}
+
+
+@pytest.fixture(autouse=True)
+def no_orphan_qemu() -> Iterator[None]:
+    """Every test must leave no QEMU process of its own behind."""
+    before = qemu_pids()
+    yield
+    left = qemu_pids() - before
+    for pid in left:
+        subprocess.run(["kill", "-9", str(pid)], check=False)
+    assert not left, f"test left QEMU processes behind: {sorted(left)}"
+
+
+VMFactory = Callable[..., VM]
+
+
+@pytest.fixture
+def make_vm() -> Iterator[VMFactory]:
+    """Start VMs that are shut down at the end of the test, pass or fail."""
+    vms: list[VM] = []
+
+    def factory(config: VMConfig | None = None, *, incoming: bool = False) -> VM:
+        vm = VM(config or VMConfig(name="test"), incoming=incoming)
+        vms.append(vm)
+        return vm.start()
+
+    yield factory
+    for vm in vms:
+        vm.shutdown()

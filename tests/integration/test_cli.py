@@ -1,0 +1,65 @@
+"""The thinvm command end to end: up, status, balloon, exec, migrate, down."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import qemu_pids
+
+pytestmark = pytest.mark.guest
+
+
+def thinvm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinvm.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"thinvm {' '.join(args)} failed: {proc.stderr}")
+    return proc
+
+
+def test_version_reports_both_builds() -> None:
+    out = thinvm("version").stdout
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("stock") and "thinvm-stock" in out
+    assert lines[1].startswith("patched") and "thinvm-patched" in out
+    assert "patch-hash" in lines[0] and "patch-hash" in lines[1]
+
+
+def test_bad_input_gets_clear_errors_and_no_process() -> None:
+    before = qemu_pids()
+    for args, message in [
+        (["up", "--name", "bad", "--build", "turbo"], "unknown QEMU build 'turbo'"),
+        (["up", "--name", "bad", "--memory", "100T"], "cannot fit"),
+        (["up", "--name", "bad", "--memory", "lots"], "cannot parse size"),
+        (["up", "--name", "bad", "--kernel", "2.6"], "unknown guest kernel"),
+        (["status", "ghost"], "no VM named 'ghost'"),
+    ]:
+        proc = thinvm(*args, check=False)
+        assert proc.returncode == 1, args
+        assert message in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert qemu_pids() == before
+
+
+def test_up_balloon_migrate_down() -> None:
+    name = "clitest"
+    try:
+        thinvm("up", "--name", name, "--memory", "1G", "--free-page-hint")
+        assert "running" in thinvm("status", name).stdout
+        assert thinvm("exec", name, "echo", "hi").stdout == "hi\n"
+        out = thinvm("balloon", name, "768M").stdout
+        assert "actual 768.00 MiB" in out
+        pid_before = qemu_pids()
+        out = thinvm("migrate", name).stdout
+        assert "migrated in" in out
+        assert qemu_pids() != pid_before  # a new QEMU took over
+        assert thinvm("exec", name, "echo", "still here").stdout == "still here\n"
+        dead = thinvm("migrate", name, "--uri", "tcp:127.0.0.1:1", check=False)
+        assert dead.returncode == 1 and "failed" in dead.stderr
+        assert "running" in thinvm("status", name).stdout
+    finally:
+        thinvm("down", name, check=False)
+    assert "no VMs" in thinvm("status").stdout or name not in thinvm("status").stdout

@@ -1,0 +1,87 @@
+"""The host side of the agent protocol against a scripted fake agent."""
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from thinvm.agent import AgentClient
+from thinvm.errors import GuestError
+
+
+def _fake_agent(path: Path, script: Callable[[socket.socket], None]) -> threading.Thread:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            script(conn)
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        line += conn.recv(1)
+    return line[:-1]
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "agent.sock"
+
+
+def test_ping_skips_stale_replies(sock_path: Path) -> None:
+    def script(conn: socket.socket) -> None:
+        token = _read_line(conn).split()[1]
+        # A reply left over from before a reconnect must be ignored.
+        conn.sendall(b"DONE 0 3 0\nold" + b"PONG stale\n" + b"PONG " + token + b"\n")
+
+    _fake_agent(sock_path, script)
+    assert AgentClient(str(sock_path)).ping(timeout=5)
+
+
+def test_exec_round_trip_with_binary_output(sock_path: Path) -> None:
+    seen: list[bytes] = []
+
+    def script(conn: socket.socket) -> None:
+        header = _read_line(conn)
+        size = int(header.split()[1])
+        payload = b""
+        while len(payload) < size:
+            payload += conn.recv(size - len(payload))
+        seen.append(payload)
+        out, err = b"line1\nline2\n", b"warn\n"
+        conn.sendall(f"DONE 3 {len(out)} {len(err)}\n".encode() + out + err)
+
+    _fake_agent(sock_path, script)
+    result = AgentClient(str(sock_path)).run("echo 'a\nb' | cat", timeout=5)
+    assert seen == [b"echo 'a\nb' | cat"]
+    assert (result.status, result.stdout, result.stderr) == (3, "line1\nline2\n", "warn\n")
+
+
+def test_check_raises_on_failure(sock_path: Path) -> None:
+    def script(conn: socket.socket) -> None:
+        header = _read_line(conn)
+        conn.recv(int(header.split()[1]))
+        conn.sendall(b"DONE 1 0 4\nboom")
+
+    _fake_agent(sock_path, script)
+    with pytest.raises(GuestError, match="exited 1: boom"):
+        AgentClient(str(sock_path)).check("false", timeout=5)
+
+
+def test_silent_agent_times_out(sock_path: Path) -> None:
+    done = threading.Event()
+    _fake_agent(sock_path, lambda conn: done.wait(5))
+    with pytest.raises(GuestError, match="timed out"):
+        AgentClient(str(sock_path)).run("sleep 100", timeout=0.3)
+    done.set()

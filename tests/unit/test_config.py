@@ -1,0 +1,116 @@
+"""Command lines and input validation, without starting QEMU."""
+
+from pathlib import Path
+
+import pytest
+
+from thinvm import accel, builds
+from thinvm.builds import QemuBuild
+from thinvm.cli import main
+from thinvm.errors import ThinvmError
+from thinvm.image import GuestImage
+from thinvm.migrate import MigrationResult
+from thinvm.units import GiB, MiB
+from thinvm.vm import VM, BalloonOptions, VMConfig, check_memory_fits
+
+
+def _vm(config: VMConfig, incoming: bool = False) -> VM:
+    vm = VM(config, incoming=incoming, rundir=Path("/tmp/thinvm-unit"))
+    vm.build = QemuBuild("stock", Path("/q"), "1:10.0", "abc", ())
+    vm.image = GuestImage(Path("/k"), Path("/i"), {})
+    vm.accel = "tcg"
+    return vm
+
+
+def _option(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def test_free_page_hint_gets_an_iothread() -> None:
+    config = VMConfig(balloon=BalloonOptions(free_page_hint=True, free_page_reporting=True))
+    args = _vm(config).command_line()
+    (device,) = [d for d in _option(args, "-device") if d.startswith("virtio-balloon-pci")]
+    assert "free-page-hint=on" in device and "iothread=balloon-iothread" in device
+    assert "free-page-reporting=on" in device
+    assert "iothread,id=balloon-iothread" in _option(args, "-object")
+
+
+def test_no_balloon_means_no_device() -> None:
+    args = _vm(VMConfig(balloon=BalloonOptions(enabled=False))).command_line()
+    assert not [d for d in _option(args, "-device") if "balloon" in d]
+
+
+def test_memory_backend_options() -> None:
+    config = VMConfig(memory=4 * GiB, prealloc=True, prealloc_threads=2, reserve=False)
+    (backend,) = [o for o in _option(_vm(config).command_line(), "-object") if "mem0" in o]
+    assert backend.startswith("memory-backend-ram,id=mem0,size=4294967296")
+    assert "prealloc=on,prealloc-threads=2" in backend and "reserve=off" in backend
+
+
+def test_file_backend_is_shared() -> None:
+    config = VMConfig(backend="file:/dev/shm/pool0")
+    (backend,) = [o for o in _option(_vm(config).command_line(), "-object") if "mem0" in o]
+    assert backend.startswith("memory-backend-file")
+    assert "mem-path=/dev/shm/pool0,share=on" in backend
+
+
+def test_unknown_backend_is_an_error() -> None:
+    with pytest.raises(ThinvmError, match="unknown memory backend"):
+        _vm(VMConfig(backend="nvme")).command_line()
+
+
+def test_incoming_defers() -> None:
+    args = _vm(VMConfig(), incoming=True).command_line()
+    assert _option(args, "-incoming") == ["defer"]
+
+
+def test_memory_that_cannot_fit() -> None:
+    with pytest.raises(ThinvmError, match="cannot fit"):
+        check_memory_fits(VMConfig(memory=1024 * 1024 * GiB))
+    with pytest.raises(ThinvmError, match="cannot preallocate"):
+        check_memory_fits(VMConfig(memory=1024 * GiB, prealloc=True, reserve=False))
+    with pytest.raises(ThinvmError, match="too small"):
+        check_memory_fits(VMConfig(memory=16 * MiB))
+    # Overcommit is allowed when memory is not reserved.
+    check_memory_fits(VMConfig(memory=1024 * GiB, reserve=False))
+
+
+def test_unknown_build_and_accel() -> None:
+    with pytest.raises(ThinvmError, match="unknown QEMU build 'fast'"):
+        builds.find_build("fast")
+    with pytest.raises(ThinvmError, match="unknown accelerator"):
+        accel.resolve("hvf", QemuBuild("stock", Path("/q"), "", "", ()))
+
+
+def test_config_round_trips_through_json() -> None:
+    config = VMConfig(name="x", memory=3 * GiB, balloon=BalloonOptions(deflate_on_oom=True))
+    assert VMConfig.from_json(config.to_json()) == config
+
+
+def test_probe_firmware_layout() -> None:
+    image = accel._probe_firmware()
+    assert len(image) == 64 * 1024
+    assert image[-16] == 0xEA  # far jump at the reset vector
+    assert image[:2] == bytes([0x66, 0xB9])
+
+
+def test_migration_result_from_query() -> None:
+    info = {
+        "status": "completed",
+        "total-time": 1234,
+        "downtime": 12,
+        "setup-time": 3,
+        "ram": {"transferred": 5 * MiB, "normal": 1000, "duplicate": 9000, "dirty-sync-count": 2},
+    }
+    result = MigrationResult.from_query(info, 1.3)
+    assert (result.total_time_ms, result.normal_pages, result.zero_pages) == (1234, 1000, 9000)
+    assert result.transferred == 5 * MiB
+
+
+def test_cli_reports_errors_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--name", "unit-x", "--build", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("thinvm: error: unknown QEMU build 'nope'")
+    assert "Traceback" not in err
+    assert main(["balloon", "no-such-vm", "1G"]) == 1
+    assert "no VM named 'no-such-vm'" in capsys.readouterr().err

@@ -1,0 +1,301 @@
+"""The `thinvm` command: a thin layer over the library."""
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from thinvm import balloon, builds, migrate
+from thinvm.errors import ThinvmError
+from thinvm.paths import run_dir
+from thinvm.units import format_size, parse_size
+from thinvm.vm import VM, BalloonOptions, VMConfig, install_signal_handlers
+
+
+def add_vm_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that launches a guest."""
+    parser.add_argument("--build", default="stock", help="QEMU build: stock or patched")
+    parser.add_argument("--memory", "-m", default="2G", help="guest RAM (e.g. 2G, 512M)")
+    parser.add_argument("--cpus", type=int, default=1)
+    parser.add_argument("--accel", default="auto", help="auto, tcg or kvm")
+    parser.add_argument("--kernel", default="6.1", help="guest kernel: 6.1 or 6.12")
+    parser.add_argument(
+        "--driver", default="stock", help="guest balloon driver: stock, thinvm, none, or a .ko"
+    )
+    parser.add_argument("--backend", default="ram", help="ram, memfd or file:PATH")
+    parser.add_argument("--prealloc", action="store_true", help="preallocate guest RAM")
+    parser.add_argument("--prealloc-threads", type=int, default=1)
+    parser.add_argument(
+        "--no-reserve", action="store_true", help="do not reserve swap/RAM for guest memory"
+    )
+    parser.add_argument("--no-balloon", action="store_true", help="no virtio-balloon device")
+    parser.add_argument("--deflate-on-oom", action="store_true")
+    parser.add_argument("--free-page-hint", action="store_true")
+    parser.add_argument("--free-page-reporting", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig:
+    builds.check_flavour(args.build)
+    if args.cpus < 1:
+        raise ThinvmError(f"--cpus must be at least 1, not {args.cpus}")
+    return VMConfig(
+        name=name,
+        build=args.build,
+        memory=parse_size(args.memory),
+        cpus=args.cpus,
+        accel=args.accel,
+        kernel=args.kernel,
+        guest_driver=args.driver,
+        backend=args.backend,
+        prealloc=args.prealloc,
+        prealloc_threads=args.prealloc_threads,
+        reserve=not args.no_reserve,
+        balloon=BalloonOptions(
+            enabled=not args.no_balloon,
+            deflate_on_oom=args.deflate_on_oom,
+            free_page_hint=args.free_page_hint,
+            free_page_reporting=args.free_page_reporting,
+        ),
+    )
+
+
+def vm_rundir(name: str) -> Path:
+    if not name or "/" in name or name.startswith("."):
+        raise ThinvmError(f"bad VM name {name!r}: use letters, digits, '-' or '_'")
+    return run_dir() / name
+
+
+@contextlib.contextmanager
+def attached(name: str) -> Iterator[VM]:
+    """A detached VM, reconnected for one command; it keeps running after."""
+    vm = VM.attach(vm_rundir(name))
+    try:
+        yield vm
+    finally:
+        vm.disconnect()
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    for flavour in builds.FLAVOURS:
+        try:
+            info = builds.find_build(flavour).describe()
+        except ThinvmError as exc:
+            info = {"flavour": flavour, "error": str(exc)}
+        print(json.dumps(info) if args.json else _format_build(info))
+    return 0
+
+
+def _format_build(info: dict[str, object]) -> str:
+    if "error" in info:
+        return f"{info['flavour']:8} {info['error']}"
+    patches = ", ".join(str(p) for p in info["patches"]) or "none"  # type: ignore[attr-defined]
+    return (
+        f"{info['flavour']:8} {info['version']}  debian {info['debian_version']}  "
+        f"patch-hash {info['patch_hash']}  patches: {patches}"
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    rundir = vm_rundir(args.name)
+    if (rundir / "state.json").exists():
+        raise ThinvmError(f"VM {args.name!r} exists already: 'thinvm down {args.name}' first")
+    shutil.rmtree(rundir, ignore_errors=True)
+    vm = VM(config_from_args(args, args.name), rundir=rundir, detached=True)
+    try:
+        vm.start()
+        vm.save_state()
+    except BaseException:
+        vm.kill()
+        shutil.rmtree(rundir, ignore_errors=True)
+        raise
+    print(
+        f"{args.name}: up (pid {vm.pid}, {vm.accel}, {format_size(vm.config.memory)}, "
+        f"agent ready after {vm.boot_seconds:.1f} s); serial log {vm.serial_log}"
+    )
+    return 0
+
+
+def _vm_names() -> list[str]:
+    if not run_dir().is_dir():
+        return []
+    return sorted(p.parent.name for p in run_dir().glob("*/state.json"))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    names = [args.name] if args.name else _vm_names()
+    if not names:
+        print("no VMs running (start one with 'thinvm up')")
+    for name in names:
+        with attached(name) as vm:
+            status = vm.qmp("query-status")["status"]
+            mem = vm.host_memory()
+            line = (
+                f"{name}: {status}, guest {format_size(vm.config.memory)}, "
+                f"host RSS {format_size(mem.rss)} (THP {format_size(mem.anon_huge)})"
+            )
+            if vm.config.balloon.enabled:
+                line += f", balloon actual {format_size(balloon.query(vm).actual)}"
+            print(line)
+    return 0
+
+
+def cmd_balloon(args: argparse.Namespace) -> int:
+    with attached(args.name) as vm:
+        if not vm.config.balloon.enabled:
+            raise ThinvmError(f"VM {args.name!r} has no balloon device")
+        target = parse_size(args.size)
+        before = vm.host_memory().rss
+        balloon.set_target(vm, target)
+        seconds = balloon.wait_actual(vm, target, timeout=args.timeout)
+        after = vm.host_memory().rss
+        print(
+            f"{args.name}: actual {format_size(balloon.query(vm).actual)} after {seconds:.2f} s; "
+            f"host RSS {format_size(before)} -> {format_size(after)}"
+        )
+    return 0
+
+
+def _print_progress(info: dict[str, Any]) -> None:
+    sys.stderr.write("\r" + migrate.describe_progress(info))
+    sys.stderr.flush()
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    with attached(args.name) as src:
+        caps: dict[str, bool] = {}
+        if args.uri:
+            result = migrate.migrate_to_uri(src, args.uri, caps=caps, progress=_print_progress)
+            sys.stderr.write("\n")
+            src.shutdown()
+            shutil.rmtree(src.rundir, ignore_errors=True)
+        else:
+            result = _migrate_locally(src, caps)
+    print(
+        f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
+        f"{format_size(result.transferred)} sent, {result.normal_pages} normal + "
+        f"{result.zero_pages} zero pages"
+    )
+    return 0
+
+
+def _migrate_locally(src: VM, caps: dict[str, bool]) -> migrate.MigrationResult:
+    """Migrate into a new local QEMU that then takes over the VM's name."""
+    name = src.config.name
+    staging = run_dir() / f".{name}.incoming"
+    shutil.rmtree(staging, ignore_errors=True)
+    dst = VM(src.config, rundir=staging, incoming=True, detached=True)
+    try:
+        dst.start()
+        result = migrate.migrate(src, dst, caps=caps, progress=_print_progress)
+        sys.stderr.write("\n")
+    except BaseException:
+        sys.stderr.write("\n")
+        dst.kill()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    src.shutdown()
+    shutil.rmtree(src.rundir, ignore_errors=True)
+    # The sockets keep working after the rename: they are bound to inodes.
+    staging.rename(src.rundir)
+    dst.rundir = src.rundir
+    dst.save_state()
+    dst.disconnect()
+    return result
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    names = _vm_names() if args.all else [args.name]
+    if not args.all and not args.name:
+        raise ThinvmError("name a VM or pass --all")
+    for name in names:
+        rundir = vm_rundir(name)
+        try:
+            with attached(name) as vm:
+                vm.shutdown()
+        except ThinvmError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+        shutil.rmtree(rundir, ignore_errors=True)
+        print(f"{name}: down")
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    with attached(args.name) as vm:
+        result = vm.agent.run(" ".join(args.command), timeout=args.timeout)
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.status
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from thinvm import demo
+
+    return demo.run(build=args.build, memory=parse_size(args.memory))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="thinvm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("version", help="QEMU builds and their patch hashes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser("up", help="start a VM in the background")
+    p.add_argument("--name", default="thinvm")
+    add_vm_options(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="state, balloon and host memory of VMs")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("balloon", help="set the balloon so the guest keeps SIZE")
+    p.add_argument("name")
+    p.add_argument("size")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_balloon)
+
+    p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
+    p.add_argument("name")
+    p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("down", help="stop a VM")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--all", action="store_true")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("exec", help="run a shell command in the guest")
+    p.add_argument("name")
+    p.add_argument("command", nargs="+")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("demo", help="the flagship scenario, end to end")
+    p.add_argument("--build", default="stock")
+    p.add_argument("--memory", default="2G")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    install_signal_handlers()
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ThinvmError as exc:
+        print(f"thinvm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("thinvm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

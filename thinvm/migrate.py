@@ -1,0 +1,146 @@
+"""Live migration between two QEMU processes over loopback TCP."""
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinvm.errors import ThinvmError
+from thinvm.vm import VM
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """The final `query-migrate` numbers, plus what we measured ourselves."""
+
+    status: str
+    total_time_ms: int
+    downtime_ms: int
+    setup_time_ms: int
+    transferred: int
+    normal_pages: int
+    zero_pages: int
+    dirty_sync_count: int
+    wall_seconds: float
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_query(cls, info: dict[str, Any], wall: float) -> "MigrationResult":
+        ram = info.get("ram", {})
+        return cls(
+            status=info["status"],
+            total_time_ms=int(info.get("total-time", 0)),
+            downtime_ms=int(info.get("downtime", 0)),
+            setup_time_ms=int(info.get("setup-time", 0)),
+            transferred=int(ram.get("transferred", 0)),
+            normal_pages=int(ram.get("normal", 0)),
+            zero_pages=int(ram.get("duplicate", 0)),
+            dirty_sync_count=int(ram.get("dirty-sync-count", 0)),
+            wall_seconds=wall,
+            raw=info,
+        )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def set_capabilities(vm: VM, caps: dict[str, bool]) -> None:
+    if caps:
+        vm.qmp(
+            "migrate-set-capabilities",
+            capabilities=[{"capability": k, "state": v} for k, v in caps.items()],
+        )
+
+
+def set_parameters(vm: VM, params: dict[str, Any]) -> None:
+    if params:
+        vm.qmp("migrate-set-parameters", **params)
+
+
+def start_incoming(dst: VM, port: int) -> str:
+    uri = f"tcp:127.0.0.1:{port}"
+    dst.qmp("migrate-incoming", uri=uri)
+    return uri
+
+
+def wait_migration(
+    src: VM, timeout: float, progress: Progress | None = None, interval: float = 0.1
+) -> dict[str, Any]:
+    """Poll query-migrate until the migration ends, reporting progress."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info: dict[str, Any] = src.qmp("query-migrate")
+        status = info.get("status", "none")
+        if progress is not None:
+            progress(info)
+        if status in ("completed", "failed", "cancelled"):
+            return info
+        if time.monotonic() > deadline:
+            src.qmp("migrate_cancel")
+            raise ThinvmError(f"migration did not finish within {timeout:.0f} s (cancelled)")
+        time.sleep(interval)
+
+
+def migrate_to_uri(
+    src: VM,
+    uri: str,
+    *,
+    caps: dict[str, bool] | None = None,
+    params: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    progress: Progress | None = None,
+) -> MigrationResult:
+    """Migrate src to an already listening destination; the source survives a failure."""
+    set_capabilities(src, caps or {})
+    set_parameters(src, params or {})
+    start = time.monotonic()
+    src.qmp("migrate", uri=uri)
+    info = wait_migration(src, timeout, progress)
+    result = MigrationResult.from_query(info, time.monotonic() - start)
+    if result.status != "completed":
+        reason = info.get("error-desc", result.status)
+        raise ThinvmError(f"migration to {uri} failed: {reason}; the source VM keeps running")
+    return result
+
+
+def migrate(
+    src: VM,
+    dst: VM,
+    *,
+    caps: dict[str, bool] | None = None,
+    params: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    progress: Progress | None = None,
+) -> MigrationResult:
+    """Migrate src into dst (started with incoming=True) and wait for the guest there."""
+    set_capabilities(dst, caps or {})
+    uri = start_incoming(dst, free_port())
+    result = migrate_to_uri(src, uri, caps=caps, params=params, timeout=timeout, progress=progress)
+    wait_destination_running(dst)
+    dst.wait_agent(timeout=60)
+    return result
+
+
+def wait_destination_running(dst: VM, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while dst.qmp("query-status")["status"] != "running":
+        if time.monotonic() > deadline:
+            raise ThinvmError("destination VM did not start running after migration")
+        time.sleep(0.05)
+
+
+def describe_progress(info: dict[str, Any]) -> str:
+    ram = info.get("ram", {})
+    total = ram.get("total", 0) or 1
+    remaining = ram.get("remaining", 0)
+    done = 100.0 * (total - remaining) / total
+    return (
+        f"{info.get('status', '?'):>10} {done:5.1f}%  sent {ram.get('transferred', 0) / 2**20:8.1f}"
+        f" MiB  zero pages {ram.get('duplicate', 0):>8}  pass {ram.get('dirty-sync-count', 0)}"
+    )

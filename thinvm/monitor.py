@@ -1,0 +1,51 @@
+"""A blocking façade over qemu.qmp's asyncio QMPClient.
+
+The control plane is sequential (start a VM, ask it things, migrate it),
+so each Monitor runs its own private event loop and every call blocks
+until QEMU answers.  The protocol itself is entirely qemu.qmp's.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from qemu.qmp import ExecuteError, QMPClient
+
+from thinvm.errors import ThinvmError
+
+T = TypeVar("T")
+
+
+class Monitor:
+    """One QMP connection to one QEMU process."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._client = QMPClient(name)
+        self._connected = False
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        return self._loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def connect(self, path: str, timeout: float = 10.0) -> None:
+        try:
+            self._run(self._client.connect(path), timeout)
+        except (OSError, TimeoutError) as exc:
+            raise ThinvmError(f"cannot connect to QMP socket {path}: {exc}") from exc
+        self._connected = True
+
+    def cmd(self, command: str, timeout: float | None = 60.0, **args: Any) -> Any:
+        """Execute one QMP command; QMP errors become ThinvmError."""
+        args = {key.replace("_", "-"): value for key, value in args.items()}
+        try:
+            return self._run(self._client.execute(command, args or None), timeout)
+        except ExecuteError as exc:
+            raise ThinvmError(f"QMP {command} failed: {exc.error.error.desc}") from exc
+
+    def close(self) -> None:
+        if self._connected:
+            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
+                self._run(self._client.disconnect(), 5.0)
+            self._connected = False
+        self._loop.close()

@@ -1,0 +1,38 @@
+"""Parsing and printing of memory sizes."""
+
+import re
+
+from thinvm.errors import ThinvmError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_SUFFIX = {"": MiB, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": TiB}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int, default_unit: str = "m") -> int:
+    """Parse "2G", "512M", "1.5GiB" or a bare number (MiB by default) to bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ThinvmError(f"cannot parse size {text!r}: use e.g. 512M, 2G or 1.5GiB")
+    number, suffix = match.groups()
+    unit = _SUFFIX[(suffix or default_unit).lower()]
+    value = float(number) * unit
+    if value != int(value):
+        raise ThinvmError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size: 1.50 GiB, 512.0 MiB, 12.0 KiB."""
+    sign = "-" if nbytes < 0 else ""
+    value = abs(float(nbytes))
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if value >= scale:
+            return f"{sign}{value / scale:.2f} {unit}"
+    return f"{sign}{value:.0f} B"

@@ -1,0 +1,430 @@
+"""Launching and owning QEMU processes.
+
+Every QEMU process is owned by a VM object.  An owned VM dies with its
+owner: on close(), on a Python exception, at interpreter exit, on SIGTERM
+(the CLI turns it into SystemExit) and, if Python itself is killed, by
+PR_SET_PDEATHSIG.  Only `thinvm up` starts detached VMs, which outlive the
+CLI and are stopped by `thinvm down`.
+"""
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from thinvm import accel as accel_mod
+from thinvm.agent import AgentClient
+from thinvm.builds import QemuBuild, find_build
+from thinvm.errors import ThinvmError
+from thinvm.hostmem import HostMemory, host_meminfo, process_memory
+from thinvm.image import GuestImage, ensure_image
+from thinvm.monitor import Monitor
+from thinvm.units import GiB, MiB, format_size
+
+AGENT_PORT_NAME = "org.thinvm.agent"
+MIN_MEMORY = 256 * MiB
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class BalloonOptions:
+    """virtio-balloon-pci properties; enabled=False means no balloon device."""
+
+    enabled: bool = True
+    deflate_on_oom: bool = False
+    free_page_hint: bool = False
+    free_page_reporting: bool = False
+
+
+@dataclass
+class VMConfig:
+    """Everything that decides how a guest is launched."""
+
+    name: str = "thinvm"
+    build: str = "stock"
+    memory: int = 2 * GiB
+    cpus: int = 1
+    accel: str = "auto"
+    kernel: str = "6.1"
+    guest_driver: str = "stock"
+    backend: str = "ram"
+    prealloc: bool = False
+    prealloc_threads: int = 1
+    reserve: bool = True
+    balloon: BalloonOptions = field(default_factory=BalloonOptions)
+    append: str = ""
+    extra_args: list[str] = field(default_factory=list)
+    boot_timeout: float = 120.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "VMConfig":
+        data = dict(data)
+        data["balloon"] = BalloonOptions(**data.get("balloon", {}))
+        return cls(**data)
+
+
+def check_memory_fits(config: VMConfig) -> None:
+    """Refuse guest sizes this host cannot back, before QEMU fails obscurely."""
+    if config.memory < MIN_MEMORY:
+        raise ThinvmError(
+            f"guest memory {format_size(config.memory)} is too small: "
+            f"the guest kernel needs at least {format_size(MIN_MEMORY)}"
+        )
+    meminfo = host_meminfo()
+    if config.prealloc and config.memory > meminfo["MemAvailable"]:
+        raise ThinvmError(
+            f"cannot preallocate {format_size(config.memory)}: the host has only "
+            f"{format_size(meminfo['MemAvailable'])} available; pass a smaller --memory"
+        )
+    # Untouched guest RAM costs nothing, but with reserve=on the kernel's
+    # overcommit heuristic refuses a mapping larger than RAM + swap.
+    limit = meminfo["MemTotal"] + meminfo.get("SwapTotal", 0)
+    if config.reserve and config.memory > limit:
+        raise ThinvmError(
+            f"guest memory {format_size(config.memory)} cannot fit in this host's "
+            f"{format_size(limit)} of RAM+swap: pass a smaller --memory, or --no-reserve "
+            "to overcommit memory the guest will not touch"
+        )
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel kills QEMU if the Python process dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_owned: set["VM"] = set()
+
+
+def _close_all_owned() -> None:
+    for vm in list(_owned):
+        vm.kill()
+
+
+atexit.register(_close_all_owned)
+
+
+def install_signal_handlers() -> None:
+    """Turn SIGTERM/SIGHUP into SystemExit so owners' cleanup runs (CLI only)."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+
+
+class VM:
+    """One QEMU process with its QMP monitor and guest agent."""
+
+    def __init__(
+        self,
+        config: VMConfig,
+        *,
+        incoming: bool = False,
+        rundir: Path | None = None,
+        detached: bool = False,
+    ) -> None:
+        self.config = config
+        self.incoming = incoming
+        self.detached = detached
+        self._own_rundir = rundir is None
+        self.rundir = rundir or Path(tempfile.mkdtemp(prefix=f"thinvm-{config.name}-"))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self.monitor: Monitor | None = None
+        self.agent = AgentClient(str(self.agent_socket))
+        self.build: QemuBuild | None = None
+        self.image: GuestImage | None = None
+        self.accel: str | None = None
+        self.boot_seconds: float | None = None
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def qmp_socket(self) -> Path:
+        return self.rundir / "qmp.sock"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.rundir / "agent.sock"
+
+    @property
+    def serial_log(self) -> Path:
+        return self.rundir / "serial.log"
+
+    @property
+    def qemu_log(self) -> Path:
+        return self.rundir / "qemu.log"
+
+    # -- command line ------------------------------------------------------
+    def _memory_backend_args(self) -> list[str]:
+        cfg = self.config
+        props = [f"id=mem0,size={cfg.memory}"]
+        if cfg.backend == "ram":
+            kind = "memory-backend-ram"
+        elif cfg.backend == "memfd":
+            kind = "memory-backend-memfd"
+        elif cfg.backend.startswith("file:"):
+            kind = "memory-backend-file"
+            props.append(f"mem-path={cfg.backend[5:]},share=on")
+        else:
+            raise ThinvmError(
+                f"unknown memory backend {cfg.backend!r}: use ram, memfd or file:PATH"
+            )
+        if cfg.prealloc:
+            props.append(f"prealloc=on,prealloc-threads={cfg.prealloc_threads}")
+        if not cfg.reserve:
+            props.append("reserve=off")
+        return ["-object", f"{kind}," + ",".join(props)]
+
+    def _balloon_args(self) -> list[str]:
+        opts = self.config.balloon
+        if not opts.enabled:
+            return []
+        props = ["virtio-balloon-pci", "id=balloon0"]
+        args: list[str] = []
+        if opts.deflate_on_oom:
+            props.append("deflate-on-oom=on")
+        if opts.free_page_hint:
+            # Hinting runs in its own iothread so it does not stall the vCPUs.
+            args += ["-object", "iothread,id=balloon-iothread"]
+            props += ["free-page-hint=on", "iothread=balloon-iothread"]
+        if opts.free_page_reporting:
+            props.append("free-page-reporting=on")
+        return [*args, "-device", ",".join(props)]
+
+    def _accel_args(self) -> list[str]:
+        assert self.accel is not None
+        if self.accel == "kvm":
+            return ["-accel", "kvm", "-cpu", "host"]
+        # A bounded translation cache keeps TCG's own RSS small and steady,
+        # so host-RSS assertions measure guest memory, not the JIT.
+        return ["-accel", "tcg,tb-size=256", "-cpu", "max"]
+
+    def command_line(self) -> list[str]:
+        assert self.build is not None and self.image is not None
+        cfg = self.config
+        append = f"console=ttyS0 panic=-1 {cfg.append}".strip()
+        args = [
+            str(self.build.binary),
+            "-name",
+            f"thinvm-{cfg.name}",
+            "-machine",
+            "q35,memory-backend=mem0",
+            *self._accel_args(),
+            "-smp",
+            str(cfg.cpus),
+            "-m",
+            str(cfg.memory // MiB),
+            *self._memory_backend_args(),
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-kernel",
+            str(self.image.kernel),
+            "-initrd",
+            str(self.image.initrd),
+            "-append",
+            append,
+            "-serial",
+            f"file:{self.serial_log}",
+            "-qmp",
+            f"unix:{self.qmp_socket},server=on,wait=off",
+            "-device",
+            "virtio-serial-pci,id=vser0",
+            "-chardev",
+            f"socket,id=agent0,path={self.agent_socket},server=on,wait=off",
+            "-device",
+            f"virtserialport,chardev=agent0,name={AGENT_PORT_NAME}",
+            *self._balloon_args(),
+            "-pidfile",
+            str(self.rundir / "qemu.pid"),
+        ]
+        if self.incoming:
+            args += ["-incoming", "defer"]
+        return [*args, *cfg.extra_args]
+
+    # -- lifecycle ---------------------------------------------------------
+    def _resolve(self) -> None:
+        check_memory_fits(self.config)
+        self.build = find_build(self.config.build)
+        self.image = ensure_image(self.config.kernel, self.config.guest_driver)
+        self.accel = accel_mod.resolve(self.config.accel, self.build)
+
+    def _spawn(self) -> None:
+        log = open(self.qemu_log, "wb")  # noqa: SIM115 - handed to the child
+        try:
+            self.process = subprocess.Popen(
+                self.command_line(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=None if self.detached else _die_with_parent,
+            )
+        finally:
+            log.close()
+        self.pid = self.process.pid
+        if not self.detached:
+            _owned.add(self)
+
+    def _qemu_output_tail(self) -> str:
+        try:
+            return self.qemu_log.read_text(errors="replace").strip()[-800:]
+        except OSError:
+            return ""
+
+    def _wait_for_qmp(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.qmp_socket.exists():
+            if not self.alive():
+                raise ThinvmError(f"QEMU exited at start: {self._qemu_output_tail()}")
+            if time.monotonic() > deadline:
+                raise ThinvmError(f"QEMU did not open its QMP socket within {timeout:.0f} s")
+            time.sleep(0.02)
+        self.monitor = Monitor(f"thinvm-{self.config.name}")
+        self.monitor.connect(str(self.qmp_socket))
+
+    def start(self, wait_agent: bool = True) -> "VM":
+        """Launch QEMU; unless incoming, wait until the guest agent answers."""
+        self.rundir.mkdir(parents=True, exist_ok=True)
+        self._resolve()
+        started = time.monotonic()
+        self._spawn()
+        try:
+            self._wait_for_qmp()
+            if wait_agent and not self.incoming:
+                self.wait_agent()
+                self.boot_seconds = time.monotonic() - started
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def wait_agent(self, timeout: float | None = None) -> float:
+        timeout = timeout or self.config.boot_timeout
+        try:
+            return self.agent.wait_ready(timeout)
+        except ThinvmError as exc:
+            raise ThinvmError(f"{exc}; serial log: {self.serial_log}") from exc
+
+    def qmp(self, command: str, **args: Any) -> Any:
+        if self.monitor is None:
+            raise ThinvmError(f"VM {self.config.name} is not running")
+        return self.monitor.cmd(command, **args)
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return self.pid is not None and _pid_alive(self.pid)
+
+    def host_memory(self) -> HostMemory:
+        assert self.pid is not None
+        return process_memory(self.pid)
+
+    def disconnect(self) -> None:
+        """Close our QMP and agent connections; QEMU keeps running."""
+        self.agent.close()
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
+
+    def kill(self) -> None:
+        """Stop QEMU now and release everything (idempotent)."""
+        _owned.discard(self)
+        self.disconnect()
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
+        elif self.pid is not None and _pid_alive(self.pid):
+            os.kill(self.pid, signal.SIGKILL)
+            _wait_pid_gone(self.pid, 5.0)
+        if self._own_rundir:
+            shutil.rmtree(self.rundir, ignore_errors=True)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask QEMU to quit, then make sure it is gone."""
+        if self.monitor is not None and self.alive():
+            with contextlib.suppress(ThinvmError, OSError, TimeoutError):
+                self.monitor.cmd("quit", timeout=timeout)
+            if self.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout)
+        self.kill()
+
+    def __enter__(self) -> "VM":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    # -- detached VMs (thinvm up/down) -------------------------------------
+    def save_state(self) -> None:
+        state = {
+            "config": self.config.to_json(),
+            "pid": self.pid,
+            "accel": self.accel,
+            "build": self.config.build,
+        }
+        (self.rundir / "state.json").write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def attach(cls, rundir: Path) -> "VM":
+        """Reconnect to a detached VM started by `thinvm up`."""
+        state_file = rundir / "state.json"
+        if not state_file.is_file():
+            raise ThinvmError(f"no VM named {rundir.name!r}: start one with 'thinvm up'")
+        state = json.loads(state_file.read_text())
+        vm = cls(VMConfig.from_json(state["config"]), rundir=rundir, detached=True)
+        vm.pid = int(state["pid"])
+        vm.accel = state.get("accel")
+        if not vm.alive():
+            raise ThinvmError(
+                f"VM {rundir.name!r} is not running any more (pid {vm.pid}); "
+                f"see {vm.serial_log}, then 'thinvm down {rundir.name}'"
+            )
+        vm.monitor = Monitor(f"thinvm-{vm.config.name}")
+        vm.monitor.connect(str(vm.qmp_socket))
+        return vm
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_pid_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
