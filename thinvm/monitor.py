@@ -45,7 +45,8 @@ class Monitor:
 
     def close(self) -> None:
         if self._connected:
-            with contextlib.suppress(OSError, TimeoutError, asyncio.CancelledError):
+            # After `quit` the reader task ends with EOFError; that is the goodbye.
+            with contextlib.suppress(OSError, EOFError, TimeoutError, asyncio.CancelledError):
                 self._run(self._client.disconnect(), 5.0)
             self._connected = False
         self._loop.close()

@@ -354,24 +354,35 @@ static void exec_child(const char *cmd, int out_fd, int err_fd)
  * block on the other would deadlock.  Returns when both reach EOF, which
  * happens once the command and everything that inherited its stdout and
  * stderr are done with them.
+ *
+ * The port is watched too (POLLHUP needs no events bit): if the host
+ * disconnects meanwhile, the reply belongs to nobody and must not be
+ * handed to whoever connects next.  Returns -1 in that case.
  */
-static void drain_pipes(int out_fd, int err_fd, struct buf *out,
-			struct buf *err)
+static int drain_pipes(int port_fd, int out_fd, int err_fd, struct buf *out,
+		       struct buf *err)
 {
-	struct pollfd pfd[2] = {
+	struct pollfd pfd[3] = {
 		{ .fd = out_fd, .events = POLLIN },
 		{ .fd = err_fd, .events = POLLIN },
+		{ .fd = port_fd, .events = 0 },
 	};
 	struct buf *dst[2] = { out, err };
 	char chunk[READ_CHUNK];
+	bool host_gone = false;
 	ssize_t n;
 	int i;
 
 	while (pfd[0].fd >= 0 || pfd[1].fd >= 0) {
-		if (poll(pfd, 2, -1) < 0) {
+		if (poll(pfd, 3, -1) < 0) {
 			if (errno == EINTR)
 				continue;
 			break;
+		}
+		if (pfd[2].revents & (POLLHUP | POLLERR)) {
+			/* Level-triggered: stop watching or it spins. */
+			host_gone = true;
+			pfd[2].fd = -1;
 		}
 		for (i = 0; i < 2; i++) {
 			if (pfd[i].fd < 0 || !pfd[i].revents)
@@ -383,6 +394,7 @@ static void drain_pipes(int out_fd, int err_fd, struct buf *out,
 				pfd[i].fd = -1;
 		}
 	}
+	return host_gone ? -1 : 0;
 }
 
 static int wait_status(pid_t pid)
@@ -446,13 +458,14 @@ static int run_command(struct agent *a, const char *cmd, size_t len)
 		close(err_pipe[0]);
 		return reply_failure(a, 126, strerror(errno));
 	}
-	drain_pipes(out_pipe[0], err_pipe[0], &out, &err);
+	ret = drain_pipes(a->fd, out_pipe[0], err_pipe[0], &out, &err);
 	close(out_pipe[0]);
 	close(err_pipe[0]);
 	status = wait_status(pid);
 	if (out.overflow || err.overflow)
 		log_msg("out of memory: command output truncated");
-	ret = reply_done(a, status, &out, &err);
+	if (!ret)
+		ret = reply_done(a, status, &out, &err);
 	free(out.data);
 	free(err.data);
 	return ret;

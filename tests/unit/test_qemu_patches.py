@@ -1,0 +1,39 @@
+"""The QEMU patch series is well-formed and passes QEMU's checkpatch."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from thinvm.paths import REPO, cache_dir
+
+SERIES = REPO / "qemu" / "series"
+
+
+def series() -> list[Path]:
+    names = [n.strip() for n in SERIES.read_text().splitlines()]
+    return [REPO / "qemu" / "patches" / n for n in names if n and not n.startswith("#")]
+
+
+def checkpatch() -> Path:
+    found = sorted(cache_dir().glob("qemu/pristine-*/scripts/checkpatch.pl"))
+    if not found:
+        pytest.fail("no QEMU source tree in the cache: run 'make setup'")
+    return found[-1]
+
+
+def test_every_listed_patch_exists_and_nothing_is_unlisted() -> None:
+    listed = series()
+    assert all(p.is_file() for p in listed)
+    on_disk = set((REPO / "qemu" / "patches").glob("*.patch"))
+    assert on_disk == set(listed), "patches/ and series disagree"
+
+
+@pytest.mark.parametrize("patch", series(), ids=lambda p: p.name[:40])
+def test_patch_passes_checkpatch(patch: Path) -> None:
+    proc = subprocess.run(
+        ["perl", str(checkpatch()), "--no-tree", str(patch)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    text = patch.read_text()
+    assert "Signed-off-by:" in text and "\nSubject: [PATCH" in text
