@@ -106,7 +106,13 @@ configure_build() {
 	log "configuring $flavour build"
 	rm -rf "$build"
 	mkdir -p "$build"
+	# configure pins the compiler, which defeats meson's own ccache
+	# detection: name ccache explicitly so the second flavour and any
+	# rebuild from scratch hit the cache.
+	local cc=gcc
+	command -v ccache >/dev/null && cc="ccache gcc"
 	(cd "$build" && "$tree/configure" \
+		--cc="$cc" \
 		--python="$venv/bin/python3" \
 		--target-list=x86_64-softmmu \
 		--enable-kvm --enable-tcg \

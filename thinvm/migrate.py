@@ -25,6 +25,8 @@ class MigrationResult:
     zero_pages: int
     dirty_sync_count: int
     wall_seconds: float
+    sparse_skipped: int = 0
+    sparse_zero: int = 0
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -40,6 +42,8 @@ class MigrationResult:
             zero_pages=int(ram.get("duplicate", 0)),
             dirty_sync_count=int(ram.get("dirty-sync-count", 0)),
             wall_seconds=wall,
+            sparse_skipped=int(ram.get("sparse-skipped", 0)),
+            sparse_zero=int(ram.get("sparse-zero", 0)),
             raw=info,
         )
 
@@ -117,22 +121,35 @@ def migrate(
     params: dict[str, Any] | None = None,
     timeout: float = 600.0,
     progress: Progress | None = None,
+    resume: bool = True,
 ) -> MigrationResult:
-    """Migrate src into dst (started with incoming=True) and wait for the guest there."""
+    """Migrate src into dst (started with incoming=True).
+
+    With resume=True, wait until the guest runs and its agent answers on
+    the destination.  With resume=False the destination must have been
+    started paused (-S) and stays so, e.g. to compare memory byte for byte.
+    """
     set_capabilities(dst, caps or {})
     uri = start_incoming(dst, free_port())
     result = migrate_to_uri(src, uri, caps=caps, params=params, timeout=timeout, progress=progress)
-    wait_destination_running(dst)
-    dst.wait_agent(timeout=60)
+    if resume:
+        wait_destination_status(dst, "running")
+        dst.wait_agent(timeout=60)
+    else:
+        wait_destination_status(dst, "paused")
     return result
 
 
-def wait_destination_running(dst: VM, timeout: float = 30.0) -> None:
+def wait_destination_status(dst: VM, status: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while dst.qmp("query-status")["status"] != "running":
+    while (current := dst.qmp("query-status")["status"]) != status:
         if time.monotonic() > deadline:
-            raise ThinvmError("destination VM did not start running after migration")
+            raise ThinvmError(f"destination VM is {current!r} after migration, not {status!r}")
         time.sleep(0.05)
+
+
+def wait_destination_running(dst: VM, timeout: float = 30.0) -> None:
+    wait_destination_status(dst, "running", timeout)
 
 
 def describe_progress(info: dict[str, Any]) -> str:
@@ -144,3 +161,8 @@ def describe_progress(info: dict[str, Any]) -> str:
         f"{info.get('status', '?'):>10} {done:5.1f}%  sent {ram.get('transferred', 0) / 2**20:8.1f}"
         f" MiB  zero pages {ram.get('duplicate', 0):>8}  pass {ram.get('dirty-sync-count', 0)}"
     )
+
+
+def save_guest_memory(vm: VM, path: str) -> None:
+    """Write all of a (paused) guest's RAM to a host file with pmemsave."""
+    vm.qmp("pmemsave", val=0, size=vm.config.memory, filename=path, timeout=300)

@@ -10,6 +10,7 @@ CLI and are stopped by `thinvm down`.
 import atexit
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -65,6 +66,9 @@ class VMConfig:
     append: str = ""
     extra_args: list[str] = field(default_factory=list)
     boot_timeout: float = 120.0
+    # A memory cgroup directory (v1 or v2) QEMU runs in from its first
+    # instruction, so every page it ever touches is charged there.
+    memory_cgroup: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,10 +104,13 @@ def check_memory_fits(config: VMConfig) -> None:
         )
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel kills QEMU if the Python process dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _child_setup(die_with_parent: bool, cgroup: str | None) -> None:
+    """preexec_fn: join the cgroup; die if the Python process dies."""
+    if cgroup is not None:
+        Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    if die_with_parent:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 _owned: set["VM"] = set()
@@ -275,7 +282,9 @@ class VM:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=None if self.detached else _die_with_parent,
+                preexec_fn=functools.partial(
+                    _child_setup, not self.detached, self.config.memory_cgroup
+                ),
             )
         finally:
             log.close()
