@@ -7,11 +7,11 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from thinvm import balloon, builds, migrate
 from thinvm.errors import ThinvmError
 from thinvm.paths import run_dir
+from thinvm.progress import ProgressLine
 from thinvm.units import format_size, parse_size
 from thinvm.vm import VM, BalloonOptions, VMConfig, install_signal_handlers
 
@@ -159,17 +159,24 @@ def cmd_balloon(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_progress(info: dict[str, Any]) -> None:
-    sys.stderr.write("\r" + migrate.describe_progress(info))
-    sys.stderr.flush()
+def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
+    line = ProgressLine()
+    return line, lambda info: line.update(migrate.describe_progress(info))
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     with attached(args.name) as src:
-        caps: dict[str, bool] = {}
+        caps: dict[str, bool] = {"sparse-ram": True} if args.sparse else {}
+        if args.sparse and src.config.build != "patched":
+            raise ThinvmError(
+                "--sparse needs the patched QEMU build: start the VM with --build patched"
+            )
         if args.uri:
-            result = migrate.migrate_to_uri(src, args.uri, caps=caps, progress=_print_progress)
-            sys.stderr.write("\n")
+            line, progress = _progress_printer()
+            try:
+                result = migrate.migrate_to_uri(src, args.uri, caps=caps, progress=progress)
+            finally:
+                line.done()
             src.shutdown()
             shutil.rmtree(src.rundir, ignore_errors=True)
         else:
@@ -188,12 +195,13 @@ def _migrate_locally(src: VM, caps: dict[str, bool]) -> migrate.MigrationResult:
     staging = run_dir() / f".{name}.incoming"
     shutil.rmtree(staging, ignore_errors=True)
     dst = VM(src.config, rundir=staging, incoming=True, detached=True)
+    line, progress = _progress_printer()
     try:
         dst.start()
-        result = migrate.migrate(src, dst, caps=caps, progress=_print_progress)
-        sys.stderr.write("\n")
+        result = migrate.migrate(src, dst, caps=caps, progress=progress)
+        line.done()
     except BaseException:
-        sys.stderr.write("\n")
+        line.done()
         dst.kill()
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -237,6 +245,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(build=args.build, memory=parse_size(args.memory))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from thinvm import bench
+
+    options = bench.BenchOptions(
+        size=parse_size(args.size) if args.size else None,
+        runs=args.runs,
+        variants=[v for v in (args.variants or "").split(",") if v],
+        params=dict(_key_value(p) for p in args.param),
+        build=args.build,
+        kernel=args.kernel,
+        accel=args.accel,
+        counter=args.counter,
+        net=args.net,
+    )
+    return bench.main(
+        args.scenario,
+        options,
+        list_only=args.list,
+        report_only=args.report,
+        results_dir=Path(args.results) if args.results else bench.RESULTS_DIR,
+        docs=None if args.no_docs else bench.DOCS_PATH,
+    )
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ThinvmError(f"--param {text!r}: use KEY=VALUE")
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thinvm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
     p.add_argument("name")
     p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
+    p.add_argument(
+        "--sparse", action="store_true", help="skip RAM the host never populated (sparse-ram)"
+    )
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("down", help="stop a VM")
@@ -280,6 +322,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build", default="stock")
     p.add_argument("--memory", default="2G")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="run a benchmark scenario (docs/benchmarks.md)")
+    p.add_argument("scenario", nargs="?", help="scenario name (see --list)")
+    p.add_argument("--size", help="main size of the scenario (default: per scenario)")
+    p.add_argument("--runs", type=int, help="runs per variant (default: per scenario)")
+    p.add_argument("--variants", help="comma-separated subset of the variants")
+    p.add_argument("--param", action="append", default=[], help="scenario KEY=VALUE")
+    p.add_argument("--build", default="stock", help="QEMU build: stock or patched")
+    p.add_argument("--kernel", default="6.1", help="guest kernel: 6.1 or 6.12")
+    p.add_argument("--accel", default="auto", help="auto, tcg or kvm")
+    p.add_argument("--counter", default="auto", help="discard counter: auto, perf, strace")
+    p.add_argument("--net", default="loopback", help="migrations over: loopback or veth")
+    p.add_argument("--results", help="results directory (default bench/results)")
+    p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    p.add_argument("--list", action="store_true", help="list scenarios and their defaults")
+    p.add_argument("--report", action="store_true", help="only regenerate docs/benchmarks.md")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -5,9 +5,9 @@ then live-migrate it with free page hinting and check its memory arrived.
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from thinvm import balloon, migrate, workload
+from thinvm.progress import ProgressLine
 from thinvm.units import MiB, format_size
 from thinvm.vm import VM, BalloonOptions, VMConfig
 
@@ -70,24 +70,30 @@ def run(build: str = "stock", memory: int = 2048 * MiB) -> int:
 
         _say("live-migrating to a second QEMU (free page hinting on)")
         with VM(config, incoming=True).start() as dst:
-            result = migrate.migrate(src, dst, progress=_progress)
-            print(file=sys.stderr)
+            line = ProgressLine("[demo] ")
+            result = migrate.migrate(
+                src, dst, progress=lambda info: line.update(migrate.describe_progress(info))
+            )
+            line.done()
             src.shutdown()
             note = (
                 f"{format_size(result.transferred)} sent, downtime {result.downtime_ms} ms, "
                 f"{result.zero_pages} zero pages"
             )
             _record(steps, dst, "live migration", result.total_time_ms / 1000, note)
+            start = time.monotonic()
             check = workload.pattern_verify(dst.agent, PATTERN_SEED)
             verdict = "verified" if check.ok else f"{check.bad} BAD pages"
-            _record(steps, dst, "pattern on destination", 0.0, f"{check.pages} pages {verdict}")
+            seconds = time.monotonic() - start
+            _record(
+                steps,
+                dst,
+                "verify pattern on destination",
+                seconds,
+                f"{check.pages} pages {verdict}",
+            )
     _print_table(steps)
     return 0 if check.ok else 1
-
-
-def _progress(info: dict[str, Any]) -> None:
-    sys.stderr.write("\r[demo] " + migrate.describe_progress(info))
-    sys.stderr.flush()
 
 
 def _print_table(steps: list[Step]) -> None:
