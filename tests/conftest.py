@@ -1,5 +1,6 @@
 """Fixtures for tests that boot real guests under QEMU."""
 
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 
@@ -8,10 +9,17 @@ import pytest
 from thinvm.vm import VM, VMConfig
 
 
-def qemu_pids() -> set[int]:
-    out = subprocess.run(
-        ["pgrep", "-f", "qemu-system-x86_64.*-name thinvm-"], capture_output=True, text=True
-    ).stdout
+def qemu_pids(name: str | None = None) -> set[int]:
+    """QEMU processes this test process started, or any thinvm VM called `name`.
+
+    Owned VMs are our children; detached ones (`thinvm up`) are found by
+    name.  Other thinvm users on the machine are not counted.
+    """
+    if name is None:
+        cmd = ["pgrep", "-P", str(os.getpid()), "-f", "qemu-system-x86_64"]
+    else:
+        cmd = ["pgrep", "-f", f"qemu-system-x86_64 -name thinvm-{name} "]
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
 
 

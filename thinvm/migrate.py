@@ -131,13 +131,34 @@ def migrate(
     """
     set_capabilities(dst, caps or {})
     uri = start_incoming(dst, free_port())
-    result = migrate_to_uri(src, uri, caps=caps, params=params, timeout=timeout, progress=progress)
+    try:
+        result = migrate_to_uri(
+            src, uri, caps=caps, params=params, timeout=timeout, progress=progress
+        )
+    except ThinvmError as exc:
+        # The source often only sees a broken pipe; the reason is here.
+        reason = destination_error(dst)
+        raise ThinvmError(f"{exc}; destination: {reason}" if reason else str(exc)) from exc
     if resume:
         wait_destination_status(dst, "running")
         dst.wait_agent(timeout=60)
     else:
         wait_destination_status(dst, "paused")
     return result
+
+
+def destination_error(dst: VM) -> str | None:
+    """Why an incoming migration failed, as the destination saw it."""
+    deadline = time.monotonic() + 5
+    while dst.alive() and time.monotonic() < deadline:
+        try:
+            info = dst.qmp("query-migrate")
+        except ThinvmError:
+            return None
+        if info.get("status") == "failed":
+            return str(info.get("error-desc", "failed"))
+        time.sleep(0.1)
+    return None
 
 
 def wait_destination_status(dst: VM, status: str, timeout: float = 30.0) -> None:

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from qemu.qmp import ExecuteError, QMPClient
+from qemu.qmp import ConnectError, ExecuteError, QMPClient
 
 from thinvm.errors import ThinvmError
 
@@ -31,7 +31,7 @@ class Monitor:
     def connect(self, path: str, timeout: float = 10.0) -> None:
         try:
             self._run(self._client.connect(path), timeout)
-        except (OSError, TimeoutError) as exc:
+        except (ConnectError, OSError, TimeoutError) as exc:
             raise ThinvmError(f"cannot connect to QMP socket {path}: {exc}") from exc
         self._connected = True
 

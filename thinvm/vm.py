@@ -306,8 +306,16 @@ class VM:
             if time.monotonic() > deadline:
                 raise ThinvmError(f"QEMU did not open its QMP socket within {timeout:.0f} s")
             time.sleep(0.02)
-        self.monitor = Monitor(f"thinvm-{self.config.name}")
-        self.monitor.connect(str(self.qmp_socket))
+        monitor = Monitor(f"thinvm-{self.config.name}")
+        try:
+            monitor.connect(str(self.qmp_socket))
+        except ThinvmError:
+            monitor.close()
+            time.sleep(0.2)
+            if not self.alive():
+                raise ThinvmError(f"QEMU exited at start: {self._qemu_output_tail()}") from None
+            raise
+        self.monitor = monitor
 
     def start(self, wait_agent: bool = True) -> "VM":
         """Launch QEMU; unless incoming, wait until the guest agent answers."""

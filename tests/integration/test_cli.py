@@ -29,7 +29,7 @@ def test_version_reports_both_builds() -> None:
 
 
 def test_bad_input_gets_clear_errors_and_no_process() -> None:
-    before = qemu_pids()
+    before = qemu_pids("bad")
     for args, message in [
         (["up", "--name", "bad", "--build", "turbo"], "unknown QEMU build 'turbo'"),
         (["up", "--name", "bad", "--memory", "100T"], "cannot fit"),
@@ -41,7 +41,7 @@ def test_bad_input_gets_clear_errors_and_no_process() -> None:
         assert proc.returncode == 1, args
         assert message in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
-    assert qemu_pids() == before
+    assert qemu_pids("bad") == before == set()
 
 
 def test_up_balloon_migrate_down() -> None:
@@ -52,14 +52,16 @@ def test_up_balloon_migrate_down() -> None:
         assert thinvm("exec", name, "echo", "hi").stdout == "hi\n"
         out = thinvm("balloon", name, "768M").stdout
         assert "actual 768.00 MiB" in out
-        pid_before = qemu_pids()
+        pids_before = qemu_pids(name)
         out = thinvm("migrate", name).stdout
         assert "migrated in" in out
-        assert qemu_pids() != pid_before  # a new QEMU took over
+        pids_after = qemu_pids(name)
+        assert len(pids_after) == 1 and pids_after != pids_before  # a new QEMU took over
         assert thinvm("exec", name, "echo", "still here").stdout == "still here\n"
         dead = thinvm("migrate", name, "--uri", "tcp:127.0.0.1:1", check=False)
         assert dead.returncode == 1 and "failed" in dead.stderr
         assert "running" in thinvm("status", name).stdout
     finally:
         thinvm("down", name, check=False)
-    assert "no VMs" in thinvm("status").stdout or name not in thinvm("status").stdout
+    assert name not in thinvm("status").stdout
+    assert qemu_pids(name) == set()

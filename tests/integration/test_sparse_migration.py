@@ -1,0 +1,196 @@
+"""sparse-ram migration (qemu/patches 0002-0006) with real guests.
+
+Where the guest can be paused, source and destination RAM are compared
+byte for byte; where it keeps running, the guest's memory pattern is
+verified on the destination.
+"""
+
+import contextlib
+import filecmp
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VMFactory
+from thinvm import balloon, migrate, workload
+from thinvm.errors import ThinvmError
+from thinvm.units import GiB, MiB
+from thinvm.vm import VM, BalloonOptions, VMConfig
+
+pytestmark = pytest.mark.guest
+
+SPARSE = {"sparse-ram": True}
+PAGE = 4096
+
+
+def patched(name: str, **kwargs: object) -> VMConfig:
+    kwargs.setdefault("memory", 1 * GiB)
+    return VMConfig(name=name, build="patched", **kwargs)  # type: ignore[arg-type]
+
+
+def paused_destination(config: VMConfig) -> VMConfig:
+    return VMConfig.from_json({**config.to_json(), "extra_args": [*config.extra_args, "-S"]})
+
+
+def assert_identical_memory(src: VM, dst: VM, tmp_path: Path) -> None:
+    """Both guests paused: their RAM must match byte for byte."""
+    a, b = tmp_path / "src.mem", tmp_path / "dst.mem"
+    try:
+        migrate.save_guest_memory(src, str(a))
+        migrate.save_guest_memory(dst, str(b))
+        assert a.stat().st_size == src.config.memory
+        assert filecmp.cmp(a, b, shallow=False), f"RAM differs: {first_difference(a, b)}"
+    finally:
+        a.unlink(missing_ok=True)
+        b.unlink(missing_ok=True)
+
+
+def first_difference(a: Path, b: Path) -> str:
+    with a.open("rb") as fa, b.open("rb") as fb:
+        offset = 0
+        while chunk := fa.read(1 << 20):
+            other = fb.read(1 << 20)
+            if chunk != other:
+                for i in range(0, len(chunk), PAGE):
+                    if chunk[i : i + PAGE] != other[i : i + PAGE]:
+                        return f"first differing page at guest address {offset + i:#x}"
+            offset += len(chunk)
+    return "no difference found on re-read"
+
+
+@pytest.mark.parametrize("pagemap", ["scan", "read"])
+def test_idle_and_ballooned_guest_migrates_byte_identical(
+    make_vm: VMFactory, tmp_path: Path, pagemap: str
+) -> None:
+    extra = ["-global", "migration.x-sparse-ram-pagemap-read=on"] if pagemap == "read" else []
+    config = patched("sparse-idle", extra_args=extra)
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=11)
+    workload.touch(src.agent, 256 * MiB)  # populated, then freed: must travel
+    inflate = 256 * MiB
+    balloon.set_target(src, config.memory - inflate)
+    balloon.wait_actual(src, config.memory - inflate)
+
+    dst = make_vm(paused_destination(config), incoming=True)
+    result = migrate.migrate(src, dst, caps=SPARSE, resume=False)
+    # The ballooned pages alone were discarded on the host: never read.
+    assert result.sparse_skipped >= inflate // PAGE
+    populated = src.host_memory().anonymous
+    assert result.sparse_skipped * PAGE >= config.memory - populated - 64 * MiB
+    assert_identical_memory(src, dst, tmp_path)
+
+
+def test_reporting_and_dirtying_guest_keeps_its_data(make_vm: VMFactory) -> None:
+    """The guest writes, frees and reports memory while it migrates.
+
+    Bandwidth is throttled so the migration takes several passes; memory
+    that the guest dirtied and free page reporting then discarded is sent
+    as zero pages unread (sparse-zero) over multifd with legacy zero page
+    detection, and a pattern written during the migration must arrive.
+    """
+    config = patched(
+        "sparse-dirty", balloon=BalloonOptions(free_page_reporting=True, free_page_hint=True)
+    )
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=21)
+    src.agent.check(
+        "(thinvm-mem pattern write /dev/shm/during 96 --seed 22;"
+        " for i in 1 2 3 4 5 6 7 8; do thinvm-mem touch 192; sleep 1; done)"
+        " >/dev/null 2>&1 &"
+    )
+    dst = make_vm(config, incoming=True)
+    caps = {**SPARSE, "multifd": True}
+    params = {"max_bandwidth": 48 * MiB, "zero_page_detection": "legacy"}
+    result = migrate.migrate(src, dst, caps=caps, params=params)
+    assert result.dirty_sync_count >= 2
+    assert result.sparse_skipped > 0
+    dst.agent.check("sleep 10")  # let the background writer finish
+    assert workload.pattern_verify(dst.agent, seed=21).ok
+    during = workload.pattern_verify(dst.agent, seed=22, path="/dev/shm/during")
+    assert during.ok and during.pages == 96 * MiB // PAGE
+
+
+@contextlib.contextmanager
+def swap_file(size: int) -> Iterator[Path]:
+    path = Path("/var/tmp/thinvm-test.swap")
+    subprocess.run(["fallocate", "-l", str(size), str(path)], check=True)
+    path.chmod(0o600)
+    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+    if subprocess.run(["swapon", str(path)], capture_output=True).returncode != 0:
+        path.unlink()
+        pytest.skip("this machine does not allow swap (swapon failed)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["swapoff", str(path)], check=False)
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def memory_cgroup() -> Iterator[Path]:
+    root = Path("/sys/fs/cgroup/memory")
+    if not (root / "memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory controller")
+    path = root / f"thinvm-test-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def test_swapped_out_pages_are_always_sent(make_vm: VMFactory, tmp_path: Path) -> None:
+    with swap_file(1 * GiB), memory_cgroup() as cgroup:
+        config = patched("sparse-swap", memory_cgroup=str(cgroup))
+        src = make_vm(config)
+        workload.pattern_write(src.agent, 128 * MiB, seed=31)
+        usage = int((cgroup / "memory.usage_in_bytes").read_text())
+        (cgroup / "memory.limit_in_bytes").write_text(str(usage - 128 * MiB))
+        deadline = time.monotonic() + 60
+        while src.host_memory().swap < 64 * MiB and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert src.host_memory().swap >= 64 * MiB, "the host did not swap guest memory out"
+        (cgroup / "memory.limit_in_bytes").write_text("-1")
+        dst = make_vm(paused_destination(config), incoming=True)
+        migrate.migrate(src, dst, caps=SPARSE, resume=False)
+        assert_identical_memory(src, dst, tmp_path)
+        dst.qmp("cont")
+        dst.wait_agent(60)
+        assert workload.pattern_verify(dst.agent, seed=31).ok
+
+
+def test_unsafe_combinations_are_refused(make_vm: VMFactory, tmp_path: Path) -> None:
+    src = make_vm(patched("sparse-refuse", memory=512 * MiB))
+
+    # A shared file backend could hold old data where nothing is sent.
+    backing = tmp_path / "old-ram"
+    with backing.open("wb") as f:
+        f.truncate(src.config.memory)
+        f.write(b"\xaa" * 4096)
+    file_cfg = VMConfig.from_json(
+        {**src.config.to_json(), "name": "sparse-file", "backend": f"file:{backing}"}
+    )
+    with pytest.raises(ThinvmError, match=r"sparse-ram: RAM block .* file or memfd"):
+        migrate.migrate(src, make_vm(file_cfg, incoming=True), caps=SPARSE, timeout=60)
+    assert src.qmp("query-status")["status"] == "running"
+
+    # Both sides must agree: a destination without the capability refuses.
+    plain = make_vm(src.config, incoming=True)
+    uri = migrate.start_incoming(plain, migrate.free_port())
+    with pytest.raises(ThinvmError, match="failed"):
+        migrate.migrate_to_uri(src, uri, caps=SPARSE, timeout=60)
+    assert src.agent.check("echo alive").stdout == "alive\n"
+
+    with pytest.raises(ThinvmError, match="incompatible with postcopy"):
+        migrate.set_capabilities(src, {**SPARSE, "postcopy-ram": True})
+
+
+def test_stock_qemu_does_not_know_the_capability(make_vm: VMFactory) -> None:
+    src = make_vm(VMConfig(name="sparse-stock", memory=512 * MiB))
+    with pytest.raises(ThinvmError, match="sparse-ram"):
+        migrate.set_capabilities(src, SPARSE)
