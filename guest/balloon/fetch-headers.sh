@@ -128,17 +128,24 @@ deb_glob() {
 }
 
 fetch_debs() {
-	local p missing=()
+	local p dl missing=()
 	mkdir -p "$debs"
 	for p in "$@"; do
-		# shellcheck disable=SC2046
 		if ! compgen -G "$debs/$(deb_glob "$p")" >/dev/null; then
 			missing+=("$p")
 		fi
 	done
 	if [ "${#missing[@]}" -gt 0 ]; then
 		log "downloading ${missing[*]}"
-		(cd "$debs" && "$apt_sh" download "${missing[@]}")
+		# Download aside and move in, so that nobody sees half a file.
+		dl=$(mktemp -d "$debs/.dl.XXXXXX")
+		if ! (cd "$dl" && "$apt_sh" download "${missing[@]}"); then
+			rm -rf "$dl"
+			log "download failed"
+			exit 1
+		fi
+		mv "$dl"/*.deb "$debs"/
+		rm -rf "$dl"
 	fi
 }
 
@@ -168,14 +175,15 @@ fix_tree() {
 }
 
 unpack() {
-	local root=$1 kver=$2 p tmp
+	local root=$1 kver=$2 p deb tmp
 	shift 2
 	tmp=$root.tmp
 	rm -rf "$tmp"
 	mkdir -p "$tmp"
 	for p in "$@"; do
-		# Exactly one file matches: fetch_debs made sure of it.
-		dpkg-deb -x $(compgen -G "$debs/$(deb_glob "$p")" | head -n 1) "$tmp"
+		# fetch_debs made sure there is one.
+		deb=$(compgen -G "$debs/$(deb_glob "$p")" | head -n 1)
+		dpkg-deb -x "$deb" "$tmp"
 	done
 	fix_tree "$tmp" "$kver"
 	rm -rf "$root"
@@ -186,9 +194,12 @@ main() {
 	local state=$kcache/resolved-$series stamp=$cache/apt/lists/.stamp
 	local pkgs kver root kdir
 	mkdir -p "$kcache"
+	# One fetch at a time: parallel builds share the unpacked trees.
+	exec 9>"$kcache/.lock"
+	flock 9
 	if [ "$refresh" = 1 ] || [ ! -s "$state" ] ||
 		{ [ -e "$stamp" ] && [ "$stamp" -nt "$state" ]; }; then
-		"$apt_sh" update
+		"$apt_sh" update || log "apt update failed, using the lists as they are"
 		resolve >"$state.new"
 		mv "$state.new" "$state"
 	fi
