@@ -75,25 +75,59 @@ patch_hash() {
 	{ cat "$here/series"; series_files | xargs -r cat; } | sha256sum | cut -c1-12
 }
 
+# Files a patch touches, from its diff headers.
+touched_by() {
+	sed -n -e 's|^--- a/||p' -e 's|^+++ b/||p' "$@" | sed 's/[[:space:]].*//' | sort -u
+}
+
+# The patched tree is the pristine tree plus the series.  Only files that
+# the previous or the current series touches can differ from pristine, so
+# only those are rebuilt, in a small stage, and copied over when their
+# content changed: everything else keeps its mtime and make skips it.
 prepare_tree() {
 	local flavour=$1 tree=$cache/qemu/$1-src
 	if [ "$flavour" = stock ]; then
 		echo "$pristine"
 		return
 	fi
-	local stage=$cache/qemu/patched-stage p
+	local want stamp=$tree/.thinvm-series
+	want=$(patch_hash patched)
+	if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
+		echo "$tree"
+		return
+	fi
+	if [ ! -f "$stamp" ]; then
+		log "creating the patched source tree"
+		rm -rf "$tree"
+		cp -a "$pristine" "$tree"
+		printf 'none\n' >"$stamp"
+	fi
+	local stage=$cache/qemu/patched-stage p f
 	rm -rf "$stage"
-	cp -a "$pristine" "$stage"
+	mkdir -p "$stage"
+	local files
+	files=$( { tail -n +2 "$stamp"; series_files | xargs -r cat | touched_by -; } | sort -u)
+	for f in $files; do
+		if [ -f "$pristine/$f" ]; then
+			mkdir -p "$stage/$(dirname "$f")"
+			cp -p "$pristine/$f" "$stage/$f"
+		fi
+	done
 	for p in $(series_files); do
 		[ -f "$p" ] || die "patch listed in qemu/series is missing: $p"
 		patch -d "$stage" -p1 -s -N -F0 --no-backup-if-mismatch <"$p" >&2 ||
 			die "patch $(basename "$p") does not apply"
 	done
-	mkdir -p "$tree"
-	# --checksum keeps the mtime of unchanged files, so make rebuilds
-	# only what the series changed.
-	rsync -a --checksum --delete "$stage/" "$tree/"
+	for f in $files; do
+		if [ ! -f "$stage/$f" ]; then
+			rm -f "$tree/$f"
+		elif ! cmp -s "$stage/$f" "$tree/$f"; then
+			mkdir -p "$tree/$(dirname "$f")"
+			cp "$stage/$f" "$tree/$f"
+		fi
+	done
 	rm -rf "$stage"
+	{ echo "$want"; series_files | xargs -r cat | touched_by -; } >"$stamp"
 	echo "$tree"
 }
 

@@ -67,5 +67,10 @@ setup_venv
 point_venv_here
 "$top/scripts/debian-apt.sh" update
 "$top/qemu/build.sh" all
-"$top/guest/image/build.sh" --kernel 6.1 --balloon stock >/dev/null
+# Guest images: Debian's in-tree balloon driver and ours, for both kernels.
+for kernel in 6.1 6.12; do
+	"$top/guest/image/build.sh" --kernel "$kernel" --balloon stock >/dev/null
+	ko=$("$top/guest/balloon/build.sh" "$kernel" | tail -n 1)
+	"$top/guest/image/build.sh" --kernel "$kernel" --balloon "$ko" >/dev/null
+done
 log "ready: $venv/bin/thinvm"
