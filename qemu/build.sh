@@ -176,13 +176,26 @@ write_stamp() {
 JSON
 }
 
+# qtests run the binary from the build tree, which looks for firmware in
+# its qemu-bundle: point that at Debian's seabios, qemu and ipxe files.
+link_firmware() {
+	local data=$1/qemu-bundle/usr/local/share/qemu f
+	mkdir -p "$data"
+	for f in /usr/share/seabios/* /usr/share/qemu/* /usr/lib/ipxe/qemu/*; do
+		[ -e "$f" ] && ln -sfn "$f" "$data/$(basename "$f")"
+	done
+}
+
 build_one() {
-	local flavour=$1 tree build
+	local flavour=$1 tree build targets=qemu-system-x86_64
 	tree=$(prepare_tree "$flavour")
 	build=$(configure_build "$flavour" "$tree")
+	# The patched build also carries our device tests (qemu/run-qtests.sh).
+	[ "$flavour" = patched ] && targets="$targets tests/qtest/qos-test"
 	log "building $flavour ($(nproc) jobs)"
-	ninja -C "$build" -j"$(nproc)" qemu-system-x86_64 >&2 ||
+	ninja -C "$build" -j"$(nproc)" $targets >&2 ||
 		die "$flavour build failed"
+	link_firmware "$build"
 	write_stamp "$flavour" "$build"
 	log "$flavour: $cache/qemu/$flavour/qemu-system-x86_64 (patch hash $(patch_hash "$flavour"))"
 }

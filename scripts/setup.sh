@@ -13,7 +13,7 @@ venv=${THINVM_VENV:-$cache/venv}
 packages=(
 	gcc make patch pkg-config ninja-build ccache rsync flex bison
 	libglib2.0-dev libpixman-1-dev zlib1g-dev
-	seabios qemu-system-data
+	seabios qemu-system-data ipxe-qemu
 	busybox-static cpio kmod zstd xz-utils bc libelf-dev dwarves
 	python3-venv strace iproute2
 )

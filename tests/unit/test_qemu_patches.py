@@ -37,3 +37,21 @@ def test_patch_passes_checkpatch(patch: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:]
     text = patch.read_text()
     assert "Signed-off-by:" in text and "\nSubject: [PATCH" in text
+
+
+def test_device_qtests_pass() -> None:
+    """QEMU's own qtests for our device changes (malformed guest input too)."""
+    proc = subprocess.run(
+        [str(REPO / "qemu" / "run-qtests.sh")], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
+    assert proc.stdout.count("\nok - ") + proc.stdout.startswith("ok - ") >= 5
+
+
+def test_only_the_patched_build_has_ranges() -> None:
+    for flavour, expected in (("stock", False), ("patched", True)):
+        binary = cache_dir() / "qemu" / flavour / "qemu-system-x86_64"
+        out = subprocess.run(
+            [str(binary), "-device", "virtio-balloon-pci,help"], capture_output=True, text=True
+        ).stdout
+        assert ("ranges=" in out) == expected, flavour

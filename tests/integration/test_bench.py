@@ -1,0 +1,55 @@
+"""The benchmark harness on real guests, at tiny sizes: it runs and records.
+
+Checks the files and the arithmetic, never the speed.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thinvm import balloon, bench
+from thinvm.bench_probe import SyscallCounter
+from thinvm.progress import ProgressLine
+from thinvm.units import GiB
+from thinvm.vm import VM, VMConfig
+
+pytestmark = pytest.mark.guest
+
+
+def test_inflate_scenario_end_to_end(tmp_path: Path) -> None:
+    results, docs = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
+    options = bench.BenchOptions(size=1 * GiB, runs=1, params={"fraction": "0.75"})
+    path = bench.run(
+        "inflate", options, results_dir=results, docs=docs, line=ProgressLine("[test] ")
+    )
+    data = json.loads(path.read_text())
+    bench.validate_result(data)
+    assert [r.get("error") for r in data["runs"]] == [None, None]
+    assert [r["variant"] for r in data["runs"]] == ["untouched", "touched"]
+    touched = data["summary"]["touched"]
+    assert touched["inflate_s"]["ratio"] > 0
+    assert touched["inflate_s"]["ratio_to"] == "untouched"
+    # 768 MiB go into the balloon: one discard per 4 KiB page at least.
+    assert touched["inflate_discard_calls"]["median"] >= 768 * 256
+    assert touched["touched_bytes"]["median"] > 512 * 2**20
+    env = data["environment"]
+    assert env["qemu"]["stock"]["patch_hash"] and env["guest_kernel"] and env["accel"]
+    assert env["thinvm_commit"] and env["nproc"] >= 1 and env["mem_total"] > 0
+    png = results / data["plot"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"![inflate](../results/{data['plot']})" in docs.read_text()
+
+
+def test_syscall_counter_sees_a_balloon_inflation() -> None:
+    with VM(VMConfig(name="count", memory=512 * 2**20)).start() as vm:
+        assert vm.pid is not None
+        with SyscallCounter([vm.pid]) as idle:
+            pass
+        with SyscallCounter([vm.pid]) as counter:
+            balloon.set_target(vm, 384 * 2**20)
+            balloon.wait_actual(vm, 384 * 2**20, timeout=60)
+    assert idle.counts is not None and counter.counts is not None
+    assert counter.counts.discard >= 128 * 256
+    assert counter.counts.madvise >= counter.counts.discard - counter.counts.fallocate
+    assert idle.counts.discard < 100

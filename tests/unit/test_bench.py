@@ -1,0 +1,414 @@
+"""The benchmark harness's pure logic: order, statistics, ratios, files, report."""
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from thinvm import bench, bench_probe, bench_report, bench_scenarios
+from thinvm.bench import BenchOptions, RunContext, Scenario, Variant
+from thinvm.bench_report import CatalogueEntry
+from thinvm.errors import ThinvmError
+from thinvm.units import GiB, MiB
+
+WHEN = datetime(2026, 11, 21, 17, 5, 9, tzinfo=UTC)
+
+
+def test_alternation_order_interleaves_variants() -> None:
+    assert bench.alternation_order(["a", "b"], 3) == [
+        (1, "a"),
+        (1, "b"),
+        (2, "a"),
+        (2, "b"),
+        (3, "a"),
+        (3, "b"),
+    ]
+    assert bench.alternation_order(["only"], 1) == [(1, "only")]
+    with pytest.raises(ThinvmError, match="at least 1"):
+        bench.alternation_order(["a"], 0)
+    with pytest.raises(ThinvmError, match="no variants"):
+        bench.alternation_order([], 2)
+
+
+def test_summarize_ignores_missing_values() -> None:
+    assert bench.summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert bench.summarize([4, None, 1, 2]) == {"median": 2, "min": 1, "max": 4, "n": 3}
+    assert bench.summarize([1.0, 2.0])["median"] == 1.5  # type: ignore[index]
+    assert bench.summarize([None]) is None
+    assert bench.summarize([]) is None
+
+
+def _run(variant: str, k: int, **metrics: Any) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "run": k,
+        "metrics": metrics,
+        "load_start": [1.0, 1.0, 1.0],
+        "load_end": [2.0, 2.0, 2.0],
+    }
+
+
+def test_summary_ratios_against_the_baseline() -> None:
+    runs = [
+        _run("stock", 1, seconds=10.0, calls=100),
+        _run("new", 1, seconds=4.0, calls=0),
+        _run("stock", 2, seconds=12.0, calls=100),
+        _run("new", 2, seconds=6.0, calls=0),
+        _run("stock", 3, seconds=11.0, calls=100),
+        {**_run("new", 3), "error": "guest died"},  # left out
+    ]
+    summary = bench.summarize_runs(runs, ["stock", "new"], "stock")
+    assert summary["stock"]["seconds"] == {
+        "median": 11.0,
+        "min": 10.0,
+        "max": 12.0,
+        "n": 3,
+        "ratio": None,
+        "ratio_to": None,
+    }
+    assert summary["new"]["seconds"]["median"] == 5.0
+    assert summary["new"]["seconds"]["n"] == 2
+    assert summary["new"]["seconds"]["ratio"] == pytest.approx(5.0 / 11.0)
+    assert summary["new"]["seconds"]["ratio_to"] == "stock"
+    assert summary["new"]["calls"]["ratio"] == 0.0
+
+
+def test_ratio_falls_back_to_first_variant_reporting_the_metric() -> None:
+    runs = [
+        _run("alone", 1, rate=100.0),
+        _run("legacy", 1, rate=80.0, migration_ms=2000),
+        _run("hint", 1, rate=90.0, migration_ms=500),
+    ]
+    summary = bench.summarize_runs(runs, ["alone", "legacy", "hint"], "alone")
+    assert "migration_ms" not in summary["alone"]
+    assert summary["legacy"]["migration_ms"]["ratio"] is None
+    assert summary["hint"]["migration_ms"]["ratio"] == 0.25
+    assert summary["hint"]["migration_ms"]["ratio_to"] == "legacy"
+    assert summary["hint"]["rate"]["ratio"] == 0.9
+    assert summary["hint"]["rate"]["ratio_to"] == "alone"
+
+
+def test_ratio_with_a_zero_reference() -> None:
+    assert bench.ratio(0, 0) == 1.0
+    assert bench.ratio(5, 0) is None
+    assert bench.ratio(3, 4) == 0.75
+
+
+def test_result_names_round_trip_and_latest_wins(tmp_path: Path) -> None:
+    stem = bench.result_stem("migrate-idle", WHEN)
+    assert stem == "migrate-idle-20261121T170509Z"
+    assert bench.parse_result_name(f"{stem}.json") == ("migrate-idle", "20261121T170509Z")
+    assert bench.parse_result_name("notes.json") is None
+    assert bench.parse_result_name(f"{stem}.png") is None
+    for name in (
+        "inflate-20261120T000000Z.json",
+        "inflate-20261121T000000Z.json",
+        "migrate-idle-20261119T000000Z.json",
+        "README.json",
+    ):
+        (tmp_path / name).write_text("{}")
+    latest = bench.latest_results(tmp_path)
+    assert list(latest) == ["inflate", "migrate-idle"]
+    assert latest["inflate"].name == "inflate-20261121T000000Z.json"
+    assert bench.latest_results(tmp_path / "missing") == {}
+
+
+def _scenario(**kwargs: Any) -> Scenario:
+    calls: list[str] = []
+
+    def variant(name: str, seconds: float) -> Variant:
+        def run(ctx: RunContext) -> bench.Metrics:
+            calls.append(f"{name}{ctx.run}")
+            ctx.note("accel", "tcg")
+            ctx.step("working")
+            return {"inflate_s": seconds * ctx.run, "rss_after_bytes": 512 * MiB}
+
+        return Variant(name, run, f"the {name} way")
+
+    scenario = Scenario(
+        name="inflate",
+        title="balloon inflate",
+        description="Inflates a balloon.",
+        variants=[variant("stock", 2.0), variant("fast", 0.5)],
+        main_metric="inflate_s",
+        second_metric="rss_after_bytes",
+        params={"size": "1.00 GiB"},
+        **kwargs,
+    )
+    scenario.params["calls"] = calls  # lets tests see the order
+    return scenario
+
+
+ENVIRONMENT: dict[str, Any] = {
+    "cpu_model": "Test CPU",
+    "nproc": 2,
+    "mem_total": 24 * GiB,
+    "swap_total": 0,
+    "host_kernel": "6.1.0",
+    "thp_enabled": "madvise",
+    "thinvm_commit": "abc123",
+    "thinvm_dirty": False,
+    "qemu": {
+        "stock": {"version": "QEMU emulator version 10.0.13", "patch_hash": "e3b0c442"},
+        "patched": {"error": "not built"},
+    },
+    "qemu_used": "stock",
+    "guest_kernel": "6.1.176-1",
+    "guest_driver": "stock",
+    "accel": "tcg",
+    "counter": "perf",
+}
+
+
+class _Quiet:
+    """A ProgressLine stand-in that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def update(self, text: str, force: bool = False) -> None:
+        self.lines.append(text)
+
+    def done(self, text: str | None = None) -> None:
+        self.lines.append(text or "")
+
+
+def _result() -> dict[str, Any]:
+    scenario = _scenario()
+    runs, load = bench.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
+    return bench.build_result(
+        scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load, command=["thinvm"]
+    )
+
+
+def test_run_scenario_alternates_and_records_load() -> None:
+    scenario = _scenario()
+    line = _Quiet()
+    runs, load = bench.run_scenario(scenario, 2, line)  # type: ignore[arg-type]
+    assert scenario.params["calls"] == ["stock1", "fast1", "stock2", "fast2"]
+    assert [(r["variant"], r["run"]) for r in runs] == [
+        ("stock", 1),
+        ("fast", 1),
+        ("stock", 2),
+        ("fast", 2),
+    ]
+    assert all(len(r["load_start"]) == 3 and len(r["load_end"]) == 3 for r in runs)
+    assert runs[0]["info"] == {"accel": "tcg"}
+    assert len(load["start"]) == 3 and len(load["end"]) == 3
+    assert any("run 2/2 fast [4/4]: working" in text for text in line.lines)
+
+
+def test_a_failing_run_is_recorded_and_the_others_continue() -> None:
+    def boom(ctx: RunContext) -> bench.Metrics:
+        raise ThinvmError("guest agent did not answer")
+
+    scenario = _scenario()
+    scenario.variants.append(Variant("broken", boom))
+    runs, _ = bench.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
+    assert [r.get("error") for r in runs] == [None, None, "guest agent did not answer"]
+    summary = bench.summarize_runs(runs, ["stock", "fast", "broken"], "stock")
+    assert summary["broken"] == {}
+
+
+def test_scenario_context_wraps_all_runs() -> None:
+    events: list[str] = []
+
+    class Context:
+        def __enter__(self) -> None:
+            events.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("exit")
+
+    scenario = _scenario(context=Context)
+    bench.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
+    assert events == ["enter", "exit"]
+
+
+def test_select_variants() -> None:
+    scenario = _scenario()
+    scenario.select(["fast"])
+    assert [v.name for v in scenario.variants] == ["fast"]
+    assert scenario.baseline_name == "fast"
+    with pytest.raises(ThinvmError, match="has no variant turbo"):
+        _scenario().select(["turbo"])
+
+
+def test_result_document_has_the_schema_fields() -> None:
+    result = _result()
+    bench.validate_result(result)
+    assert result["schema"] == bench.SCHEMA_VERSION
+    assert result["created"] == "2026-11-21T17:05:09Z"
+    assert result["baseline"] == "stock"
+    assert result["runs_per_variant"] == 2
+    assert result["summary"]["fast"]["inflate_s"]["ratio"] == pytest.approx(0.25)
+    assert json.loads(json.dumps(result)) == result  # plain JSON
+    broken = dict(result)
+    del broken["environment"]
+    with pytest.raises(ThinvmError, match="environment"):
+        bench.validate_result(broken)
+    with pytest.raises(ThinvmError, match="baseline"):
+        bench.validate_result({**result, "baseline": "ghost"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "text"),
+    [
+        ("inflate_s", 4.126, "4.13 s"),
+        ("migration_ms", 1769.4, "1769 ms"),
+        ("transferred_bytes", 1.5 * GiB, "1.50 GiB"),
+        ("inflate_discard_calls", 917626, "917,626"),
+        ("zero_pages", 12.0, "12"),
+        ("achieved_mibps", 255.96, "256.0 MiB/s"),
+        ("mystery", 0.123456, "0.1235"),
+        ("inflate_s", None, "\u2013"),
+    ],
+)
+def test_format_value(name: str, value: float | None, text: str) -> None:
+    assert bench_report.format_value(name, value) == text
+
+
+def test_format_cell_shows_range_and_ratio() -> None:
+    entry = {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3, "ratio": 0.5}
+    assert bench_report.format_cell("inflate_s", entry) == "2.00 s [1.00 s\u20133.00 s] \u00d70.50"
+    single = {"median": 2.0, "min": 2.0, "max": 2.0, "n": 1, "ratio": None}
+    assert bench_report.format_cell("inflate_s", single) == "2.00 s"
+    assert bench_report.format_cell("inflate_s", None) == "\u2013"
+
+
+def test_render_table_rows_are_metrics_columns_variants() -> None:
+    table = bench_report.render_table(_result()).splitlines()
+    assert table[0] == "| metric | stock (baseline) | fast |"
+    assert table[1] == "|---|--:|--:|"
+    assert table[2].startswith("| inflate time | 3.00 s [2.00 s\u20134.00 s] | 0.75 s")
+    assert table[2].endswith("\u00d70.25 |")
+    assert table[3].startswith("| host RSS after | 512.00 MiB | 512.00 MiB \u00d71.00 |")
+
+
+def test_render_document_sections_links_and_todos() -> None:
+    result = {**_result(), "plot": "inflate-20261121T170509Z.png"}
+    for run in result["runs"]:
+        run["load_start"], run["load_end"] = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]
+    catalogue = [
+        CatalogueEntry("inflate", "balloon inflate", "thinvm bench inflate"),
+        CatalogueEntry("network", "over veth", "thinvm bench network", todo="needs a hook"),
+    ]
+    doc = bench_report.render_document([result], catalogue, image_dir="../bench/results")
+    assert doc.startswith("# Benchmarks\n")
+    assert "QEMU emulator version 10.0.13" in doc
+    assert "| [inflate](#inflate-balloon-inflate) | balloon inflate |" in doc
+    assert "| [network](#network-over-veth) | over veth | `thinvm bench network` | not run" in doc
+    assert "- **network**: needs a hook" in doc
+    assert "## inflate: balloon inflate\n" in doc
+    assert "![inflate](../bench/results/inflate-20261121T170509Z.png)" in doc
+    assert "Test CPU, 2 CPUs, 24.0 GiB RAM" in doc
+    assert "patched: not built" in doc
+    assert "1-min load average during the runs 1.0\u20132.0 on" in doc
+    assert doc.endswith("\n") and not doc.endswith("\n\n")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    path = bench_report.plot_result(_result(), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_writes_json_plot_and_docs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.run end to end, with a fake scenario instead of guests."""
+    spec = bench_scenarios.ScenarioSpec(
+        "inflate", "balloon inflate", lambda opts, params, size: _scenario(), "1G", "RAM", 2
+    )
+    monkeypatch.setattr(bench_scenarios, "SCENARIOS", {"inflate": spec})
+    monkeypatch.setattr(bench, "guest_environment", lambda *args: {"qemu": {}, "accel": "tcg"})
+    monkeypatch.setattr(bench_probe, "counter_backend", lambda requested: "perf")
+    docs = tmp_path / "docs" / "benchmarks.md"
+    results = tmp_path / "bench" / "results"
+    path = bench.run("inflate", BenchOptions(), results_dir=results, docs=docs, line=_Quiet())  # type: ignore[arg-type]
+    data = json.loads(path.read_text())
+    bench.validate_result(data)
+    assert len(data["runs"]) == 4
+    assert data["environment"]["counter"] == "perf"
+    assert data["environment"]["nproc"] >= 1
+    assert (results / data["plot"]).is_file()
+    text = docs.read_text()
+    assert f"![inflate](../bench/results/{data['plot']})" in text
+    assert "\u00d70.25" in text
+
+
+def test_all_runs_failing_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(ctx: RunContext) -> bench.Metrics:
+        raise ThinvmError("no guest")
+
+    def make(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+        return Scenario("inflate", "t", "d", [Variant("a", boom)], "x_s")
+
+    spec = bench_scenarios.ScenarioSpec("inflate", "t", make, "1G", "RAM", 1)
+    monkeypatch.setattr(bench_scenarios, "SCENARIOS", {"inflate": spec})
+    monkeypatch.setattr(bench, "guest_environment", lambda *args: {})
+    monkeypatch.setattr(bench_probe, "counter_backend", lambda requested: "perf")
+    with pytest.raises(ThinvmError, match="all 1 runs of inflate failed"):
+        bench.run("inflate", BenchOptions(), results_dir=tmp_path, docs=None, line=_Quiet())  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_perf_csv() -> None:
+    text = (
+        "# started on Sat Nov 21 17:16:04 2026\n\n"
+        "458874,,syscalls:sys_enter_madvise,12368554711,100.00,,\n"
+        "917626,,syscalls:sys_enter_madvise,12368554711,100.00,,\n"
+        "<not counted>,,syscalls:sys_enter_fallocate,0,0.00,,\n"
+    )
+    assert bench_probe.parse_perf_csv(text, ["discard", "madvise", "fallocate"]) == {
+        "discard": 458874,
+        "madvise": 917626,
+        "fallocate": 0,
+    }
+
+
+def test_parse_strace_summary() -> None:
+    text = """\
+strace: Process 597 attached with 4 threads
+% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 99.90    2.958586           3    917615           madvise
+  0.10    0.000100          50         2         1 fallocate
+------ ----------- ----------- --------- --------- ----------------
+100.00    2.958686           3    917617         1 total
+"""
+    assert bench_probe.parse_strace_summary(text) == {"madvise": 917615, "fallocate": 2}
+    assert bench_probe.parse_strace_summary("") == {}
+
+
+def test_counter_backend_rejects_unknown() -> None:
+    with pytest.raises(ThinvmError, match="unknown counter"):
+        bench_probe.counter_backend("dtrace")
+
+
+def test_scale_sizes() -> None:
+    assert bench_scenarios.scale_sizes(8 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB]
+    assert bench_scenarios.scale_sizes(16 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB, 16 * GiB]
+    assert bench_scenarios.scale_sizes(1 * GiB) == [1 * GiB]
+
+
+def test_scenario_params_are_checked() -> None:
+    spec = bench_scenarios.get("migrate-dirty")
+    with pytest.raises(ThinvmError, match="has no parameter speed"):
+        spec.build(BenchOptions(params={"speed": "1"}))
+    with pytest.raises(ThinvmError, match="want a whole number"):
+        spec.build(BenchOptions(params={"rate_mibps": "fast"}))
+    scenario = spec.build(BenchOptions(params={"rate_mibps": "128"}, size=2 * GiB))
+    assert scenario.params["rate_mibps"] == 128
+    assert scenario.params["size"] == "2.00 GiB"
+    assert scenario.baseline_name == "no-migration"
+    with pytest.raises(ThinvmError, match="unknown scenario 'nope'"):
+        bench_scenarios.get("nope")
+
+
+def test_every_scenario_builds_with_defaults() -> None:
+    for name, spec in bench_scenarios.SCENARIOS.items():
+        scenario = spec.build(BenchOptions())
+        assert scenario.name == name
+        assert len(scenario.variants) >= 2
+        assert len({v.name for v in scenario.variants}) == len(scenario.variants)
+        assert scenario.description and scenario.title
