@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from qemu.qmp import ConnectError, ExecuteError, QMPClient
+from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from thinvm.errors import ThinvmError
 
@@ -42,6 +42,9 @@ class Monitor:
             return self._run(self._client.execute(command, args or None), timeout)
         except ExecuteError as exc:
             raise ThinvmError(f"QMP {command} failed: {exc.error.error.desc}") from exc
+        except (QMPError, EOFError, OSError) as exc:
+            # QEMU went away mid-command (it quit, crashed or was killed).
+            raise ThinvmError(f"QMP {command}: connection to QEMU lost ({exc!r})") from exc
 
     def close(self) -> None:
         if self._connected:

@@ -276,6 +276,12 @@ def test_format_cell_shows_range_and_ratio() -> None:
     single = {"median": 2.0, "min": 2.0, "max": 2.0, "n": 1, "ratio": None}
     assert bench_report.format_cell("inflate_s", single) == "2.00 s"
     assert bench_report.format_cell("inflate_s", None) == "\u2013"
+    other = {**entry, "ratio_to": "legacy"}
+    assert bench_report.format_cell("inflate_s", other, "alone").endswith("\u00d70.50 vs legacy")
+    assert bench_report.format_cell("inflate_s", other, "legacy").endswith("\u00d70.50")
+    # A range that prints as one value is not shown.
+    close = {"median": 3.67 * GiB, "min": 3.669 * GiB, "max": 3.671 * GiB, "ratio": None}
+    assert bench_report.format_cell("touched_bytes", close) == "3.67 GiB"
 
 
 def test_render_table_rows_are_metrics_columns_variants() -> None:
@@ -295,7 +301,10 @@ def test_render_document_sections_links_and_todos() -> None:
         CatalogueEntry("inflate", "balloon inflate", "thinvm bench inflate"),
         CatalogueEntry("network", "over veth", "thinvm bench network", todo="needs a hook"),
     ]
-    doc = bench_report.render_document([result], catalogue, image_dir="../bench/results")
+    doc = bench_report.render_document(
+        [result], catalogue, image_dir="../bench/results", notes="Stock is slow.\n"
+    )
+    assert "\n## Observations\n\nStock is slow.\n" in doc
     assert doc.startswith("# Benchmarks\n")
     assert "QEMU emulator version 10.0.13" in doc
     assert "| [inflate](#inflate-balloon-inflate) | balloon inflate |" in doc
@@ -303,10 +312,17 @@ def test_render_document_sections_links_and_todos() -> None:
     assert "- **network**: needs a hook" in doc
     assert "## inflate: balloon inflate\n" in doc
     assert "![inflate](../bench/results/inflate-20261121T170509Z.png)" in doc
+    assert "by `thinvm bench inflate`;" in doc
     assert "Test CPU, 2 CPUs, 24.0 GiB RAM" in doc
     assert "patched: not built" in doc
     assert "1-min load average during the runs 1.0\u20132.0 on" in doc
     assert doc.endswith("\n") and not doc.endswith("\n\n")
+
+
+def test_bar_label() -> None:
+    assert bench_report.bar_label(1476.4) == "1,476"
+    assert bench_report.bar_label(12.345) == "12.3"
+    assert bench_report.bar_label(0.01234) == "0.0123"
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

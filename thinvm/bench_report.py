@@ -1,0 +1,401 @@
+"""Benchmark reports: markdown tables, docs/benchmarks.md, PNG plots.
+
+Everything here is a pure function of results documents (see thinvm.bench)
+except plot_result(), which draws with matplotlib's Agg backend.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from thinvm.units import GiB, MiB, format_size
+
+DASH = "\u2013"  # en dash, for ranges
+TIMES = "\u00d7"  # multiplication sign, for ratios
+
+# A metric's unit is its name's suffix.
+UNITS = {
+    "_s": "s",
+    "_ms": "ms",
+    "_bytes": "bytes",
+    "_mibps": "MiB/s",
+    "_calls": "count",
+    "_pages": "count",
+    "_count": "count",
+    "_guests": "count",
+    "_syncs": "count",
+}
+
+LABELS = {
+    "inflate_s": "inflate time",
+    "deflate_s": "deflate time",
+    "inflate_discard_calls": "discard calls (inflate)",
+    "inflate_madvise_calls": "madvise calls (inflate)",
+    "deflate_madvise_calls": "madvise calls (deflate)",
+    "deflate_discard_calls": "discard calls (deflate)",
+    "rss_before_bytes": "host RSS before",
+    "thp_before_bytes": "host THP before",
+    "rss_inflated_bytes": "host RSS inflated",
+    "thp_inflated_bytes": "host THP inflated",
+    "rss_after_bytes": "host RSS after",
+    "thp_after_bytes": "host THP after",
+    "touched_bytes": "guest touched",
+    "touch_guest_s": "guest touch time",
+    "migration_ms": "migration time",
+    "downtime_ms": "downtime",
+    "setup_ms": "setup time",
+    "transferred_bytes": "bytes sent",
+    "normal_pages": "normal pages sent",
+    "zero_pages": "zero pages",
+    "dirty_syncs": "dirty-bitmap syncs",
+    "src_rss_bytes": "source RSS before",
+    "dst_rss_bytes": "destination RSS after",
+    "dst_thp_bytes": "destination THP after",
+    "achieved_mibps": "workload dirty rate",
+    "max_stall_ms": "workload longest slice",
+    "held_bytes": "host memory held",
+    "held_per_guest_bytes": "held per guest",
+    "peak_bytes": "host memory peak",
+    "settle_s": "time to settle",
+    "discard_calls": "discard calls",
+    "boot_s": "launch to agent ready",
+    "qmp_s": "launch to QMP ready",
+    "fit_guests": "guests that fit",
+    "oom_guests": "guests OOM-killed",
+}
+
+
+def metric_unit(name: str) -> str:
+    for suffix, unit in UNITS.items():
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def metric_label(name: str) -> str:
+    if name in LABELS:
+        return LABELS[name]
+    for suffix in UNITS:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name.replace("_", " ")
+
+
+def format_value(name: str, value: float | None) -> str:
+    """A metric value in its unit: 12.35 s, 830 ms, 1.50 GiB, 917,626."""
+    if value is None:
+        return DASH
+    unit = metric_unit(name)
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "ms":
+        return f"{value:.0f} ms"
+    if unit == "bytes":
+        return format_size(value)
+    if unit == "MiB/s":
+        return f"{value:.1f} MiB/s"
+    if unit == "count":
+        return f"{round(value):,}"
+    return f"{value:.4g}"
+
+
+def format_ratio(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{TIMES}{value:.2f}" if value < 100 else f"{TIMES}{value:.0f}"
+
+
+def format_cell(name: str, entry: dict[str, Any] | None, baseline: str | None = None) -> str:
+    """`median [min-max] xratio` of one variant's metric.
+
+    A ratio taken against another variant than the table's baseline says so.
+    """
+    if entry is None:
+        return DASH
+    text = format_value(name, entry["median"])
+    low, high = format_value(name, entry["min"]), format_value(name, entry["max"])
+    if low != high:
+        text += f" [{low}{DASH}{high}]"
+    ratio = format_ratio(entry.get("ratio"))
+    if ratio and baseline and entry.get("ratio_to") not in (None, baseline):
+        ratio += f" vs {entry['ratio_to']}"
+    return f"{text} {ratio}" if ratio else text
+
+
+def ordered_metrics(result: dict[str, Any]) -> list[str]:
+    """Main metric first, then the second, then the rest as reported."""
+    seen: dict[str, None] = {}
+    for name in (result["main_metric"], result.get("second_metric")):
+        if name:
+            seen[name] = None
+    for variant in result["summary"].values():
+        for name in variant:
+            seen.setdefault(name, None)
+    return [n for n in seen if any(n in v for v in result["summary"].values())]
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """Rows: metrics; columns: variants; cells: median [min-max] xratio."""
+    variants = [v["name"] for v in result["variants"]]
+    baseline = result["baseline"]
+    header = ["metric"] + [f"{v} (baseline)" if v == baseline else v for v in variants]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["--:"] * len(variants)) + "|",
+    ]
+    for name in ordered_metrics(result):
+        cells = [format_cell(name, result["summary"][v].get(name), baseline) for v in variants]
+        lines.append(f"| {metric_label(name)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _build_line(qemu: dict[str, Any], flavour: str) -> str:
+    info = qemu.get(flavour, {})
+    if "error" in info or not info:
+        return f"{flavour}: not built"
+    version = str(info.get("version", "")).replace("QEMU emulator version ", "")
+    return f"{flavour}: {version}, patch-hash {info.get('patch_hash')}"
+
+
+def machine_line(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    mem = env.get("mem_total") or 0
+    commit = env.get("thinvm_commit", "unknown")
+    if env.get("thinvm_dirty"):
+        commit += " (uncommitted changes)"
+    qemu = env.get("qemu", {})
+    package = f"Debian {env['guest_kernel_package']}, " if env.get("guest_kernel_package") else ""
+    return (
+        f"{env.get('cpu_model')}, {env.get('nproc')} CPUs, {mem / GiB:.1f} GiB RAM, "
+        f"swap {format_size(env.get('swap_total', 0))}, host kernel {env.get('host_kernel')}, "
+        f"THP {env.get('thp_enabled')}; accel {env.get('accel')}; "
+        f"QEMU used: {env.get('qemu_used')} ({_build_line(qemu, 'stock')}; "
+        f"{_build_line(qemu, 'patched')}); guest kernel {env.get('guest_kernel')} "
+        f"({package}{env.get('guest_driver')} balloon driver); thinvm {commit}; "
+        f"discard counter: {env.get('counter')}"
+    )
+
+
+def load_line(result: dict[str, Any]) -> str:
+    runs = result["runs"]
+    one_minute = [r["load_start"][0] for r in runs] + [r["load_end"][0] for r in runs]
+    others = [r.get("other_qemu", 0) for r in runs]
+    cpus = result["load"].get("cpus")
+    text = (
+        f"1-min load average during the runs {min(one_minute, default=0):.1f}{DASH}"
+        f"{max(one_minute, default=0):.1f} on {cpus} CPUs"
+    )
+    if any(others):
+        text += f"; other QEMU processes on the host at run start: {min(others)}{DASH}{max(others)}"
+    return text
+
+
+def command_line(result: dict[str, Any]) -> str:
+    """The recorded command, as `thinvm bench ...` whatever the path to thinvm."""
+    args = [str(a) for a in result.get("command", [])[1:]]
+    return " ".join(["thinvm", *args]) if args else f"thinvm bench {result['scenario']}"
+
+
+def render_params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def render_section(result: dict[str, Any], image_dir: str) -> str:
+    runs = result["runs"]
+    failed = [r for r in runs if r.get("error")]
+    lines = [
+        f"## {result['scenario']}: {result['title']}",
+        "",
+        result["description"].strip(),
+        "",
+        "Variants: "
+        + "; ".join(
+            f"**{v['name']}**" + (f": {v['description']}" if v["description"] else "")
+            for v in result["variants"]
+        )
+        + ".",
+        "",
+        render_table(result),
+        "",
+        f"Median [min{DASH}max] of {result['runs_per_variant']} run(s) per variant, run "
+        f"alternately; {TIMES}ratio = median / median of the baseline variant (for a metric "
+        f"the baseline does not report: of the first variant that does). "
+        f"Recorded {result['created']} in {result['wall_seconds']:.0f} s by "
+        f"`{command_line(result)}`; parameters: {render_params(result['params'])}.",
+        "",
+        f"Machine: {machine_line(result)}.",
+        "",
+        f"Load: {load_line(result)}.",
+    ]
+    if failed:
+        lines += ["", f"{len(failed)} run(s) failed and are left out of the table:"]
+        lines += [f"- {r['variant']} run {r['run']}: {r['error']}" for r in failed]
+    if result.get("plot"):
+        lines += ["", f"![{result['scenario']}]({image_dir}/{result['plot']})"]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """A scenario as the docs list it, measured or not."""
+
+    name: str
+    title: str
+    command: str
+    todo: str = ""  # why it is not (fully) implemented
+
+
+INTRO = """\
+# Benchmarks
+
+Every thinvm feature has to prove its speed against the stock stack in the
+same run. This page is the baseline: stock QEMU ({qemu}) with the guest
+kernel's own virtio-balloon driver. It is regenerated by
+`thinvm bench SCENARIO` (or `thinvm bench --report`) from the newest
+`bench/results/SCENARIO-<UTC time>.json` of each scenario; do not edit it by
+hand. The JSON files hold every raw run, the load on the machine, and the
+exact QEMU builds, guest kernel, host and thinvm commit.
+
+How to read the tables:
+
+- Each run boots fresh guests and measures one thing. Variants run
+  alternately (A B A B ...), so drift on the host hits all of them alike.
+- A cell is `median [min{dash}max]` over the runs, then `{times}ratio`: the median
+  divided by the baseline variant's median (for a metric the baseline does
+  not report, by the first variant that does).
+- Discard calls are counted on the host, on the QEMU process, with the
+  kernel's syscall tracepoints (`perf stat -e syscalls:sys_enter_madvise`
+  filtered on MADV_DONTNEED/FREE/REMOVE, plus fallocate), which cost almost
+  nothing. `--counter strace` uses `strace -f -c` instead, but ptrace stops
+  every QEMU syscall: on this machine it made a 1.75 GiB inflation 2.7x and
+  its deflation 10x slower, so timings taken with strace attached are not
+  comparable.
+- Guests run under TCG on a 2-CPU host that is shared with other work
+  (other guests, QEMU builds): absolute times are slow and noisy, which is
+  why every section records the load. Compare ratios within one section,
+  not absolute numbers across machines.
+- Migrations run over loopback TCP with `max-bandwidth` raised to
+  100 GiB/s (QEMU's default of 128 MiB/s would cap them), downtime limit
+  left at QEMU's default (300 ms).
+
+Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
+[--variants a,b] [--param key=value]`; `thinvm bench --list` shows every
+scenario with its defaults. `bench/run-baselines.sh` runs them all.
+"""
+
+
+def render_document(
+    results: Sequence[dict[str, Any]],
+    catalogue: Sequence[CatalogueEntry],
+    image_dir: str = "../bench/results",
+    notes: str | None = None,
+) -> str:
+    by_name = {r["scenario"]: r for r in results}
+    qemu = "not measured yet"
+    for result in results:
+        stock = result["environment"].get("qemu", {}).get("stock", {})
+        if "version" in stock:
+            qemu = f"{stock['version']}, Debian {stock.get('debian_version')}"
+            break
+    parts = [INTRO.format(qemu=qemu, dash=DASH, times=TIMES), "## Scenarios", ""]
+    parts.append("| scenario | what | command | latest result |")
+    parts.append("|---|---|---|---|")
+    for entry in catalogue:
+        found = by_name.get(entry.name)
+        latest = found["created"] if found else "not run yet"
+        parts.append(
+            f"| [{entry.name}](#{_anchor(found, entry)}) | {entry.title} | "
+            f"`{entry.command}` | {latest} |"
+        )
+    if notes:
+        parts += ["", "## Observations", "", notes.strip()]
+    todos = [e for e in catalogue if e.todo]
+    if todos:
+        parts += ["", "### Not implemented yet", ""]
+        parts += [f"- **{e.name}**: {e.todo}" for e in todos]
+    known = {e.name for e in catalogue}
+    ordered = [by_name[e.name] for e in catalogue if e.name in by_name]
+    ordered += [r for r in results if r["scenario"] not in known]
+    for result in ordered:
+        parts += ["", render_section(result, image_dir)]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _anchor(result: dict[str, Any] | None, entry: CatalogueEntry) -> str:
+    """GitHub's anchor for the section heading `## name: title`."""
+    title = result["title"] if result else entry.title
+    heading = f"{entry.name}: {title}".lower()
+    kept = "".join(c for c in heading if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+# -- plots -----------------------------------------------------------------
+
+
+def _plot_scale(name: str) -> tuple[float, str]:
+    unit = metric_unit(name)
+    if unit == "bytes":
+        return float(MiB), "MiB"
+    return 1.0, unit
+
+
+def plot_series(result: dict[str, Any], name: str) -> list[tuple[str, float, float, float]]:
+    """(variant, median, min, max) in plot units, for the variants reporting it."""
+    scale, _ = _plot_scale(name)
+    series = []
+    for variant in result["variants"]:
+        entry = result["summary"][variant["name"]].get(name)
+        if entry is not None:
+            series.append(
+                (
+                    variant["name"],
+                    entry["median"] / scale,
+                    entry["min"] / scale,
+                    entry["max"] / scale,
+                )
+            )
+    return series
+
+
+def bar_label(value: float) -> str:
+    """1234.5 -> 1,234; 12.345 -> 12.3; 0.01234 -> 0.0123."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def plot_result(result: dict[str, Any], path: Path) -> Path:
+    """Median bars with min/max error bars, one panel per plotted metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in (result["main_metric"], result.get("second_metric")) if m]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 4.0), squeeze=False)
+    for ax, name in zip(axes[0], metrics, strict=True):
+        series = plot_series(result, name)
+        _, unit = _plot_scale(name)
+        if not series:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        else:
+            labels = [s[0] for s in series]
+            medians = [s[1] for s in series]
+            errors = [[s[1] - s[2] for s in series], [s[3] - s[1] for s in series]]
+            colors = ["#777777" if v == result["baseline"] else "#3b75af" for v in labels]
+            bars = ax.bar(labels, medians, yerr=errors, capsize=6, color=colors)
+            ax.bar_label(bars, labels=[bar_label(m) for m in medians], padding=3, fontsize=8)
+            ax.tick_params(axis="x", labelrotation=15 if len(labels) > 2 else 0, labelsize=8)
+        ax.set_title(metric_label(name), fontsize=10)
+        ax.set_ylabel(unit if unit != "count" else "count")
+        ax.margins(y=0.15)
+    fig.suptitle(
+        f"{result['scenario']}: {result['title']} "
+        f"(median, min{DASH}max of {result['runs_per_variant']} runs; {result['created']})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,908 @@
+"""The benchmark scenarios (issue 4): each builds a Scenario of Variants.
+
+Every variant's run boots fresh guests, measures one thing and tears them
+down (`with VM(...)`), so runs are independent and no QEMU outlives a run.
+Sizes default to what fits in < 5 minutes per scenario on a 2-CPU TCG host;
+`--size` scales them up.
+"""
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thinvm import balloon, migrate, workload
+from thinvm.bench import BenchOptions, Metrics, RunContext, Scenario, Variant
+from thinvm.bench_probe import (
+    MemoryCgroup,
+    SyscallCounter,
+    VethLink,
+    in_netns,
+    memory_cgroup,
+    spawn_in,
+    veth_link,
+)
+from thinvm.bench_report import CatalogueEntry
+from thinvm.errors import ThinvmError
+from thinvm.hostmem import host_meminfo
+from thinvm.units import GiB, MiB, format_size, parse_size
+from thinvm.vm import VM, BalloonOptions, VMConfig
+
+# QEMU's default max-bandwidth (128 MiB/s) would make every migration
+# measure the throttle; the seeds' experiments also lifted it.
+MIGRATION_PARAMS: dict[str, Any] = {"max-bandwidth": 100 * GiB}
+TOUCH_LEAVE = 96 * MiB  # free memory a "touch most of RAM" leaves the guest
+MIGRATION_PORT = 4444  # inside the private destination namespace
+
+
+# -- helpers -------------------------------------------------------------
+
+
+def guest_config(
+    opts: BenchOptions,
+    name: str,
+    memory: int,
+    *,
+    hint: bool = False,
+    reporting: bool = False,
+    prealloc: bool = False,
+    prealloc_threads: int = 1,
+    reserve: bool = True,
+) -> VMConfig:
+    return VMConfig(
+        name=name,
+        build=opts.build,
+        memory=memory,
+        accel=opts.accel,
+        kernel=opts.kernel,
+        guest_driver=opts.driver,
+        prealloc=prealloc,
+        prealloc_threads=prealloc_threads,
+        reserve=reserve,
+        balloon=BalloonOptions(free_page_hint=hint, free_page_reporting=reporting),
+    )
+
+
+def touch_most(vm: VM, leave: int = TOUCH_LEAVE) -> Metrics:
+    """The guest faults in (and frees) all but `leave` of its free memory."""
+    size = max(0, workload.meminfo(vm.agent)["MemFree"] - leave)
+    result = workload.touch(vm.agent, size)
+    return {"touched_bytes": size, "touch_guest_s": float(result["ms"]) / 1000}
+
+
+def migration_metrics(result: migrate.MigrationResult) -> Metrics:
+    return {
+        "migration_ms": result.total_time_ms,
+        "downtime_ms": result.downtime_ms,
+        "setup_ms": result.setup_time_ms,
+        "transferred_bytes": result.transferred,
+        "normal_pages": result.normal_pages,
+        "zero_pages": result.zero_pages,
+        "dirty_syncs": result.dirty_sync_count,
+    }
+
+
+def fits_reserved(memory: int) -> bool:
+    """Whether a reserved mapping of `memory` passes the overcommit check."""
+    info = host_meminfo()
+    return memory <= info["MemTotal"] + info.get("SwapTotal", 0)
+
+
+def process_age(pid: int) -> float:
+    """Seconds since the process started (10 ms resolution)."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+class Transport:
+    """Where the source and destination QEMU run and how they connect.
+
+    loopback: both in the host's namespace, TCP over 127.0.0.1.
+    veth: source and destination in two network namespaces joined by a veth
+    pair shaped with tc (see bench_probe.veth_link).
+    """
+
+    def __init__(self, kind: str = "loopback", rate: str = "10gbit") -> None:
+        if kind not in ("loopback", "veth"):
+            raise ThinvmError(f"unknown --net {kind!r}: choose loopback or veth")
+        self.kind = kind
+        self.rate = rate
+        self.link: VethLink | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        if self.kind == "loopback":
+            yield
+            return
+        with veth_link(self.rate) as link:
+            self.link = link
+            try:
+                yield
+            finally:
+                self.link = None
+
+    def _netns(self, incoming: bool) -> str | None:
+        if self.kind == "loopback":
+            return None
+        if self.link is None:
+            raise ThinvmError("veth transport used outside its session")
+        return self.link.dst_ns if incoming else self.link.src_ns
+
+    def start(self, config: VMConfig, *, incoming: bool = False) -> VM:
+        with in_netns(self._netns(incoming)):
+            return VM(config, incoming=incoming).start()
+
+    def migrate(self, src: VM, dst: VM, ctx: RunContext) -> migrate.MigrationResult:
+        def progress(info: dict[str, Any]) -> None:
+            ctx.step(migrate.describe_progress(info))
+
+        if self.link is None:
+            return migrate.migrate(src, dst, params=MIGRATION_PARAMS, progress=progress)
+        uri = f"tcp:{self.link.dst_ip}:{MIGRATION_PORT}"
+        dst.qmp("migrate-incoming", uri=uri)
+        result = migrate.migrate_to_uri(src, uri, params=MIGRATION_PARAMS, progress=progress)
+        migrate.wait_destination_running(dst)
+        dst.wait_agent(timeout=60)
+        return result
+
+
+def _params(spec_defaults: dict[str, str], given: dict[str, str], scenario: str) -> dict[str, str]:
+    unknown = sorted(set(given) - set(spec_defaults))
+    if unknown:
+        known = ", ".join(spec_defaults) or "none"
+        raise ThinvmError(
+            f"scenario {scenario} has no parameter {', '.join(unknown)} (known: {known})"
+        )
+    return {**spec_defaults, **given}
+
+
+def _int(params: dict[str, str], key: str) -> int:
+    try:
+        return int(params[key])
+    except ValueError as exc:
+        raise ThinvmError(f"--param {key}={params[key]!r}: want a whole number") from exc
+
+
+def _float(params: dict[str, str], key: str) -> float:
+    try:
+        return float(params[key])
+    except ValueError as exc:
+        raise ThinvmError(f"--param {key}={params[key]!r}: want a number") from exc
+
+
+# -- 1. inflate -------------------------------------------------------------
+
+
+def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    fraction = _float(params, "fraction")
+    if not 0 < fraction < 1:
+        raise ThinvmError(f"--param fraction={fraction}: want a fraction between 0 and 1")
+    keep = int(size * (1 - fraction)) // MiB * MiB
+    timeout = 60 + 30 * size / GiB
+
+    def variant(touched: bool) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            metrics: Metrics = {}
+            with VM(guest_config(opts, "b-inflate", size)).start() as vm:
+                ctx.note("boot_s", vm.boot_seconds)
+                if touched:
+                    ctx.step("guest touches its free memory")
+                    metrics.update(touch_most(vm))
+                before = vm.host_memory()
+                ctx.step(f"inflating to {format_size(keep)}")
+                with SyscallCounter([vm.pid or 0], opts.counter) as inflate:
+                    balloon.set_target(vm, keep)
+                    inflate_s = balloon.wait_actual(vm, keep, timeout=timeout)
+                inflated = vm.host_memory()
+                ctx.step("deflating")
+                with SyscallCounter([vm.pid or 0], opts.counter) as deflate:
+                    balloon.set_target(vm, size)
+                    deflate_s = balloon.wait_actual(vm, size, timeout=timeout)
+                after = vm.host_memory()
+            assert inflate.counts is not None and deflate.counts is not None
+            metrics.update(
+                {
+                    "inflate_s": inflate_s,
+                    "deflate_s": deflate_s,
+                    "inflate_discard_calls": inflate.counts.discard,
+                    "inflate_madvise_calls": inflate.counts.madvise,
+                    "deflate_madvise_calls": deflate.counts.madvise,
+                    "rss_before_bytes": before.rss,
+                    "thp_before_bytes": before.anon_huge,
+                    "rss_inflated_bytes": inflated.rss,
+                    "thp_inflated_bytes": inflated.anon_huge,
+                    "rss_after_bytes": after.rss,
+                    "thp_after_bytes": after.anon_huge,
+                }
+            )
+            return metrics
+
+        return run
+
+    return Scenario(
+        name="inflate",
+        title="balloon inflate and deflate",
+        description=(
+            f"A {format_size(size)} guest inflates its balloon until it keeps "
+            f"{format_size(keep)} (the balloon holds {fraction:.1%} of its RAM), then deflates "
+            "back to its full size. Times are from the `balloon` QMP command to "
+            "`query-balloon` reporting the target. Discard calls: madvise calls that "
+            "drop memory (DONTNEED/FREE/REMOVE) plus fallocate, made by QEMU during the "
+            "inflation; deflation calls madvise(WILLNEED) once per page. RSS and THP "
+            "(AnonHugePages) are the QEMU process's, before inflating, inflated, and "
+            "after deflating."
+        ),
+        variants=[
+            Variant("untouched", variant(False), "inflate right after boot"),
+            Variant("touched", variant(True), "the guest first touches all its free memory"),
+        ],
+        main_metric="inflate_s",
+        second_metric="thp_inflated_bytes",
+        params={
+            "size": format_size(size),
+            "fraction": fraction,
+            "keep": format_size(keep),
+            "counter": opts.counter,
+        },
+    )
+
+
+# -- 2. migrate-idle --------------------------------------------------------
+
+
+def idle_migration(
+    opts: BenchOptions, size: int, hint: bool, transport: Transport, idle: float
+) -> Callable[[RunContext], Metrics]:
+    """Boot, touch most RAM and free it, idle, migrate; the destination shares the config."""
+
+    def run(ctx: RunContext) -> Metrics:
+        config = guest_config(opts, "b-idle", size, hint=hint)
+        with transport.start(config) as src:
+            ctx.note("boot_s", src.boot_seconds)
+            ctx.step("guest touches its free memory")
+            metrics = touch_most(src)
+            time.sleep(idle)
+            metrics["src_rss_bytes"] = src.host_memory().rss
+            with transport.start(config, incoming=True) as dst:
+                result = transport.migrate(src, dst, ctx)
+                dst_mem = dst.host_memory()
+        return {**migration_metrics(result), "dst_rss_bytes": dst_mem.rss, **metrics}
+
+    return run
+
+
+def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = _float(params, "idle")
+    transport = Transport(opts.net)
+    return Scenario(
+        name="migrate-idle",
+        title="idle guest migration, legacy vs free page hinting",
+        description=(
+            f"A {format_size(size)} guest touches all but {format_size(TOUCH_LEAVE)} of its "
+            f"free memory, frees it, idles {idle:g} s, then live-migrates to a new local QEMU "
+            f"({transport.kind}). With free page hinting (virtio-balloon "
+            "`free-page-hint=on` on source and destination) the guest tells QEMU which "
+            "pages are free when migration starts and QEMU skips them. Counters come from "
+            "`query-migrate`: bytes sent, normal pages, zero pages (`duplicate`); the "
+            "destination RSS is what the destination host had to allocate."
+        ),
+        variants=[
+            Variant("legacy", idle_migration(opts, size, False, transport, idle), "no hinting"),
+            Variant(
+                "free-page-hint",
+                idle_migration(opts, size, True, transport, idle),
+                "free-page-hint=on",
+            ),
+        ],
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={"size": format_size(size), "idle_s": idle, "net": opts.net, **MIGRATION_PARAMS},
+        context=transport.session,
+    )
+
+
+# -- 3. migrate-dirty -------------------------------------------------------
+
+DIRTY_OUT = "/tmp/thinvm-dirty.json"
+
+
+def _wait_dirty_result(vm: VM, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = vm.agent.run(f"cat {DIRTY_OUT} 2>/dev/null").stdout.strip()
+        if out:
+            try:
+                result: dict[str, Any] = json.loads(out.splitlines()[-1])
+                return result
+            except ValueError as exc:
+                raise ThinvmError(f"thinvm-mem dirty printed {out[-300:]!r}") from exc
+        time.sleep(0.5)
+    raise ThinvmError(f"thinvm-mem dirty did not finish within {timeout:.0f} s")
+
+
+def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    wss, rate = _int(params, "wss_mib"), _int(params, "rate_mibps")
+    seconds, warmup = _int(params, "seconds"), _float(params, "warmup")
+    transport = Transport(opts.net)
+
+    def variant(migrating: bool, hint: bool) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            config = guest_config(opts, "b-dirty", size, hint=hint)
+            metrics: Metrics = {}
+            with transport.start(config) as src:
+                ctx.note("boot_s", src.boot_seconds)
+                src.agent.check(
+                    f"thinvm-mem dirty {wss} --rate {rate} --seconds {seconds} "
+                    f">{DIRTY_OUT} 2>&1 </dev/null &"
+                )
+                ctx.step(f"workload: {wss} MiB at {rate} MiB/s for {seconds} s")
+                time.sleep(warmup)
+                if not migrating:
+                    out = _wait_dirty_result(src, seconds + 120)
+                else:
+                    with transport.start(config, incoming=True) as dst:
+                        result = transport.migrate(src, dst, ctx)
+                        metrics.update(migration_metrics(result))
+                        ctx.step("waiting for the workload to finish on the destination")
+                        out = _wait_dirty_result(dst, seconds + 120)
+            ctx.note("workload", out)
+            metrics["achieved_mibps"] = float(out["achieved_mibps"])
+            metrics["max_stall_ms"] = float(out["max_slice_ms"])
+            return metrics
+
+        return run
+
+    return Scenario(
+        name="migrate-dirty",
+        title="migration of a guest dirtying memory at a fixed rate",
+        description=(
+            f"A {format_size(size)} guest runs `thinvm-mem dirty {wss} --rate {rate} "
+            f"--seconds {seconds}`: it faults in a {wss} MiB working set, then writes one "
+            f"word per page round robin at {rate} MiB/s in 10 ms slices (a reproducible "
+            f"stand-in for the seeds' kernel compile). {warmup:g} s after it starts, the "
+            "guest live-migrates; the workload finishes on the destination. The workload's "
+            "achieved rate and longest slice, compared with the same workload without "
+            "migration, are its slowdown. The guest's clock stops while the VM is paused, "
+            "so the longest slice shows CPU starvation, not the downtime itself."
+        ),
+        variants=[
+            Variant("no-migration", variant(False, False), "the workload alone"),
+            Variant("legacy", variant(True, False), "migration without hinting"),
+            Variant("free-page-hint", variant(True, True), "migration with free-page-hint=on"),
+        ],
+        main_metric="migration_ms",
+        second_metric="achieved_mibps",
+        params={
+            "size": format_size(size),
+            "wss_mib": wss,
+            "rate_mibps": rate,
+            "seconds": seconds,
+            "warmup_s": warmup,
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+        },
+        context=transport.session,
+    )
+
+
+# -- 4. migrate-ballooned ---------------------------------------------------
+
+
+def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    small = size // 8
+    transport = Transport(opts.net)
+
+    def variant(ballooned: bool) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            config = guest_config(opts, "b-balloon", size if ballooned else small)
+            metrics: Metrics = {}
+            with transport.start(config) as src:
+                ctx.note("boot_s", src.boot_seconds)
+                if ballooned:
+                    ctx.step(f"inflating to {format_size(small)}")
+                    balloon.set_target(src, small)
+                    metrics["inflate_s"] = balloon.wait_actual(
+                        src, small, timeout=60 + 30 * size / GiB
+                    )
+                metrics["src_rss_bytes"] = src.host_memory().rss
+                with transport.start(config, incoming=True) as dst:
+                    metrics.update(migration_metrics(transport.migrate(src, dst, ctx)))
+                    metrics["dst_rss_bytes"] = dst.host_memory().rss
+            return metrics
+
+        return run
+
+    return Scenario(
+        name="migrate-ballooned",
+        title="migration of a ballooned guest vs a small guest",
+        description=(
+            f"A {format_size(size)} guest whose balloon leaves it {format_size(small)} "
+            f"live-migrates, compared with a guest that simply has {format_size(small)}. "
+            "Neither touches memory first: stock QEMU discards ballooned pages on the "
+            "host, so the difference is the cost of scanning and sending the ballooned "
+            "(zero) pages that the migration does not know it could skip."
+        ),
+        variants=[
+            Variant("ballooned", variant(True), f"{format_size(size)} guest, balloon to 1/8"),
+            Variant("small", variant(False), f"{format_size(small)} guest"),
+        ],
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={
+            "size": format_size(size),
+            "small": format_size(small),
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+        },
+        context=transport.session,
+    )
+
+
+# -- 5. migrate-scale -------------------------------------------------------
+
+
+def scale_sizes(largest: int, smallest: int = 2 * GiB) -> list[int]:
+    """2, 4, 8 ... GiB up to `largest` (or just `largest` if it is smaller)."""
+    sizes, size = [], min(smallest, largest)
+    while size <= largest:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def _size_name(size: int) -> str:
+    return f"{size // GiB}G" if size % GiB == 0 else f"{size // MiB}M"
+
+
+def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = _float(params, "idle")
+    transport = Transport(opts.net)
+
+    def variant(memory: int) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            # Untouched guest RAM costs nothing; reserve=off only where the
+            # kernel's overcommit heuristic would refuse the mapping.
+            config = guest_config(opts, "b-scale", memory, reserve=fits_reserved(memory))
+            with transport.start(config) as src:
+                ctx.note("boot_s", src.boot_seconds)
+                time.sleep(idle)
+                metrics: Metrics = {"src_rss_bytes": src.host_memory().rss}
+                with transport.start(config, incoming=True) as dst:
+                    metrics.update(migration_metrics(transport.migrate(src, dst, ctx)))
+                    metrics["dst_rss_bytes"] = dst.host_memory().rss
+            return metrics
+
+        return run
+
+    sizes = scale_sizes(size)
+    return Scenario(
+        name="migrate-scale",
+        title="idle guest migration time and bytes vs guest size",
+        description=(
+            f"Freshly booted, idle guests of {', '.join(format_size(s) for s in sizes)} "
+            "live-migrate (legacy, no hinting). Almost all of their RAM was never "
+            "touched, so this measures the per-GiB cost of scanning zero pages."
+        ),
+        variants=[Variant(_size_name(s), variant(s), f"{format_size(s)} guest") for s in sizes],
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={
+            "sizes": [format_size(s) for s in sizes],
+            "idle_s": idle,
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+        },
+        context=transport.session,
+    )
+
+
+# -- 6. density -------------------------------------------------------------
+
+
+def _parallel(vms: list[VM], func: Callable[[VM], Any]) -> list[Any]:
+    with ThreadPoolExecutor(max_workers=len(vms)) as pool:
+        return list(pool.map(func, vms))
+
+
+def _settle(
+    measure: Callable[[], int], timeout: float, quiet: float = 4.0, step: int = 8 * MiB
+) -> tuple[int, float]:
+    """Poll `measure` until it has not fallen by more than `step` for `quiet` s.
+
+    Returns the final value and when the last such drop happened.
+    """
+    start = time.monotonic()
+    low, last_drop = measure(), start
+    while True:
+        now = time.monotonic()
+        if now - last_drop >= quiet or now - start >= timeout:
+            break
+        time.sleep(0.5)
+        current = measure()
+        if current < low - step:
+            low, last_drop = current, time.monotonic()
+    return measure(), last_drop - start
+
+
+def make_density(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    guests = _int(params, "guests")
+    fraction = _float(params, "touch")
+    settle_max = _float(params, "settle_max")
+
+    def variant(reporting: bool) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            with contextlib.ExitStack() as stack:
+                vms: list[VM] = []
+                ctx.step(f"booting {guests} guests")
+                for i in range(guests):
+                    vm = VM(guest_config(opts, f"b-dense{i}", size, reporting=reporting))
+                    vms.append(stack.enter_context(vm.start(wait_agent=False)))
+                for vm in vms:
+                    vm.wait_agent()
+
+                def touch(vm: VM) -> int:
+                    free = workload.meminfo(vm.agent)["MemFree"] - TOUCH_LEAVE
+                    amount = max(0, min(int(size * fraction), free))
+                    workload.touch(vm.agent, amount)
+                    return amount
+
+                def held() -> int:
+                    return sum(vm.host_memory().rss for vm in vms)
+
+                pids = [vm.pid or 0 for vm in vms]
+                with SyscallCounter(pids, opts.counter) as counter:
+                    ctx.step(f"{guests} guests touch {fraction:.0%} of their RAM, then free it")
+                    touched = _parallel(vms, touch)
+                    peak = held()
+                    ctx.step("waiting for host memory to settle")
+                    final, settle_s = _settle(held, settle_max)
+            assert counter.counts is not None
+            return {
+                "held_bytes": final,
+                "held_per_guest_bytes": final / guests,
+                "peak_bytes": peak,
+                "settle_s": settle_s,
+                "discard_calls": counter.counts.discard,
+                "touched_bytes": sum(touched),
+            }
+
+        return run
+
+    return Scenario(
+        name="density",
+        title="host memory held by guests after they free memory",
+        description=(
+            f"{guests} guests of {format_size(size)} boot together, each touches "
+            f"{fraction:.0%} of its RAM (at most its free memory less "
+            f"{format_size(TOUCH_LEAVE)}) and frees it. Then the host memory the QEMU "
+            "processes still hold (sum of RSS) is measured once it stops falling (no drop "
+            f"over 8 MiB for 4 s, at most {settle_max:g} s). With free page reporting "
+            "(`free-page-reporting=on`) the guest reports freed 2 MiB+ blocks and QEMU "
+            "discards them; without it the host keeps everything the guests ever touched."
+        ),
+        variants=[
+            Variant("reporting-off", variant(False), "no free page reporting"),
+            Variant("reporting-on", variant(True), "free-page-reporting=on"),
+        ],
+        main_metric="held_bytes",
+        second_metric="settle_s",
+        params={
+            "size": format_size(size),
+            "guests": guests,
+            "touch": fraction,
+            "settle_max_s": settle_max,
+        },
+    )
+
+
+# -- 6b. density-budget (memory cgroup) -------------------------------------
+
+
+def make_density_budget(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    budget = parse_size(params["budget"])
+    max_guests = _int(params, "max_guests")
+    fraction = _float(params, "touch")
+    settle_max = _float(params, "settle_max")
+
+    def variant(reporting: bool) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            fit, held = 0, 0
+            with memory_cgroup(budget) as cgroup, contextlib.ExitStack() as stack:
+                vms: list[VM] = []
+                for i in range(max_guests):
+                    ctx.step(f"guest {i + 1}: booting ({fit} fit so far)")
+                    try:
+                        vms.append(_start_in(cgroup, stack, opts, f"b-budget{i}", size, reporting))
+                        vm = vms[-1]
+                        free = workload.meminfo(vm.agent)["MemFree"] - TOUCH_LEAVE
+                        ctx.step(f"guest {i + 1}: touching and freeing")
+                        workload.touch(vm.agent, max(0, min(int(size * fraction), free)))
+                        _settle(cgroup.usage, settle_max)
+                    except ThinvmError as exc:
+                        ctx.note("stopped_by", str(exc)[:300])
+                        break
+                    if not all(v.alive() for v in vms):
+                        ctx.note("stopped_by", "a guest was OOM-killed")
+                        break
+                    fit, held = i + 1, cgroup.usage()
+                ctx.note("capped", fit == max_guests)
+                oom, peak = cgroup.oom_kills(), cgroup.max_usage()
+            return {
+                "fit_guests": fit,
+                "oom_guests": oom,
+                "held_bytes": held,
+                "peak_bytes": peak,
+            }
+
+        return run
+
+    return Scenario(
+        name="density-budget",
+        title="how many guests fit under a memory cgroup budget",
+        description=(
+            f"Guests of {format_size(size)} start one after another inside a cgroup-v1 "
+            f"memory cgroup limited to {format_size(budget)} (no swap). Each touches "
+            f"{fraction:.0%} of its RAM and frees it; once the cgroup's usage settles the "
+            "next one starts. A guest fits if it finished that cycle with every guest "
+            "before it still alive; the first failure (the kernel's OOM killer ends a "
+            f"QEMU, or a guest cannot boot) stops the run. At most {max_guests} guests "
+            "are tried. `held` is the cgroup's usage with every fitting guest idle."
+        ),
+        variants=[
+            Variant("reporting-off", variant(False), "no free page reporting"),
+            Variant("reporting-on", variant(True), "free-page-reporting=on"),
+        ],
+        main_metric="fit_guests",
+        second_metric="held_bytes",
+        params={
+            "size": format_size(size),
+            "budget": format_size(budget),
+            "max_guests": max_guests,
+            "touch": fraction,
+            "settle_max_s": settle_max,
+        },
+    )
+
+
+def _start_in(
+    cgroup: MemoryCgroup,
+    stack: contextlib.ExitStack,
+    opts: BenchOptions,
+    name: str,
+    size: int,
+    reporting: bool,
+) -> VM:
+    vm = VM(guest_config(opts, name, size, reporting=reporting))
+    with spawn_in(cgroup):
+        vm.start(wait_agent=False)
+    # Kill rather than `quit` at the end: a QEMU the OOM killer is taking
+    # down can still look alive and drop the QMP connection mid-command.
+    stack.callback(vm.kill)
+    vm.wait_agent()
+    return vm
+
+
+# -- 7. start ---------------------------------------------------------------
+
+
+def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    def variant(prealloc: bool, threads: int) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            config = guest_config(
+                opts, "b-start", size, prealloc=prealloc, prealloc_threads=threads
+            )
+            vm = VM(config)
+            with vm.start(wait_agent=False):
+                assert vm.pid is not None
+                qmp_s = process_age(vm.pid)
+                ctx.step("waiting for the guest agent")
+                vm.wait_agent()
+                boot_s = process_age(vm.pid)
+                mem = vm.host_memory()
+            return {
+                "boot_s": boot_s,
+                "qmp_s": qmp_s,
+                "rss_after_bytes": mem.rss,
+                "thp_after_bytes": mem.anon_huge,
+            }
+
+        return run
+
+    return Scenario(
+        name="start",
+        title="VM start: launch to guest agent ready, preallocated RAM",
+        description=(
+            f"A {format_size(size)} guest starts with all of its RAM preallocated "
+            "(`prealloc=on` on the memory backend, 1 or 2 `prealloc-threads`), compared "
+            "with no preallocation. Times are from the QEMU process's start (its "
+            "/proc start time) to QMP answering (preallocation is done by then) and to "
+            "the guest agent answering."
+        ),
+        variants=[
+            Variant("prealloc-1", variant(True, 1), "prealloc=on, 1 thread"),
+            Variant("prealloc-2", variant(True, 2), "prealloc=on, 2 threads"),
+            Variant("no-prealloc", variant(False, 1), "prealloc=off (reference)"),
+        ],
+        main_metric="boot_s",
+        second_metric="qmp_s",
+        params={"size": format_size(size)},
+    )
+
+
+# -- 8. network -------------------------------------------------------------
+
+
+def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = _float(params, "idle")
+    rate = params["rate"]
+    loopback, veth = Transport("loopback"), Transport("veth", rate)
+    variants = [
+        Variant(
+            f"{t.kind}-{mode}",
+            idle_migration(opts, size, mode == "hint", t, idle),
+            f"{'free-page-hint=on' if mode == 'hint' else 'no hinting'} over {t.kind}",
+        )
+        for mode in ("legacy", "hint")
+        for t in (loopback, veth)
+    ]
+    return Scenario(
+        name="network",
+        title=f"idle guest migration over loopback vs a {rate} veth link",
+        description=(
+            f"migrate-idle ({format_size(size)} guest touches its free memory, frees it, "
+            "migrates) over loopback and over a veth pair between two network namespaces, "
+            f"source in one and destination in the other, each end shaped to {rate} with a "
+            "tc token bucket (the seeds' network). Shows whether the transport or the "
+            "host CPU limits migration here."
+        ),
+        variants=variants,
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={"size": format_size(size), "rate": rate, "idle_s": idle, **MIGRATION_PARAMS},
+        context=veth.session,
+    )
+
+
+# -- registry ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    name: str
+    title: str
+    make: Callable[[BenchOptions, dict[str, str], int], Scenario]
+    default_size: str
+    size_help: str
+    default_runs: int = 3
+    params: dict[str, str] = field(default_factory=dict)
+    todo: str = ""
+
+    def build(self, options: BenchOptions) -> Scenario:
+        size = options.size or parse_size(self.default_size)
+        params = _params(self.params, options.params, self.name)
+        scenario = self.make(options, params, size)
+        scenario.params.setdefault("build", options.build)
+        return scenario
+
+    @property
+    def command(self) -> str:
+        return f"thinvm bench {self.name}"
+
+
+SCENARIOS: dict[str, ScenarioSpec] = {
+    spec.name: spec
+    for spec in (
+        ScenarioSpec(
+            "inflate",
+            "balloon inflate to 7/8 and deflate",
+            make_inflate,
+            "4G",
+            "guest RAM (8G on bigger hosts)",
+            default_runs=2,
+            params={"fraction": "0.875"},
+        ),
+        ScenarioSpec(
+            "migrate-idle",
+            "idle guest migration, legacy vs hinting",
+            make_migrate_idle,
+            "2G",
+            "guest RAM",
+            default_runs=3,
+            params={"idle": "2"},
+        ),
+        ScenarioSpec(
+            "migrate-dirty",
+            "migration under a fixed-rate dirtying workload",
+            make_migrate_dirty,
+            "1G",
+            "guest RAM",
+            default_runs=2,
+            params={"wss_mib": "512", "rate_mibps": "256", "seconds": "20", "warmup": "6"},
+        ),
+        ScenarioSpec(
+            "migrate-ballooned",
+            "ballooned guest vs small guest migration",
+            make_migrate_ballooned,
+            "4G",
+            "RAM of the ballooned guest (the small one has 1/8)",
+        ),
+        ScenarioSpec(
+            "migrate-scale",
+            "idle migration vs guest size",
+            make_migrate_scale,
+            "8G",
+            "largest guest; sizes double from 2G up to it",
+            default_runs=2,
+            params={"idle": "2"},
+        ),
+        ScenarioSpec(
+            "density",
+            "host memory held after guests free memory",
+            make_density,
+            "1G",
+            "RAM per guest",
+            default_runs=2,
+            params={"guests": "3", "touch": "0.8", "settle_max": "30"},
+        ),
+        ScenarioSpec(
+            "density-budget",
+            "guests that fit under a memory cgroup",
+            make_density_budget,
+            "512M",
+            "RAM per guest",
+            default_runs=1,
+            params={"budget": "1G", "max_guests": "8", "touch": "0.8", "settle_max": "20"},
+        ),
+        ScenarioSpec(
+            "start",
+            "launch to agent ready with preallocation",
+            make_start,
+            "4G",
+            "guest RAM (16G on bigger hosts)",
+        ),
+        ScenarioSpec(
+            "network",
+            "migration over loopback vs a shaped veth pair",
+            make_network,
+            "1G",
+            "guest RAM",
+            default_runs=2,
+            params={"idle": "2", "rate": "10gbit"},
+        ),
+    )
+}
+
+
+def get(name: str) -> ScenarioSpec:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ThinvmError(
+            f"unknown scenario {name!r}: choose one of {', '.join(SCENARIOS)}"
+        ) from None
+
+
+def describe_spec(spec: ScenarioSpec) -> str:
+    params = " ".join(f"--param {k}={v}" for k, v in spec.params.items())
+    return (
+        f"{spec.name:18} {spec.title}\n{'':18} --size {spec.default_size} ({spec.size_help}), "
+        f"--runs {spec.default_runs}" + (f", {params}" if params else "")
+    )
+
+
+# Parts of issue 4 the registry does not cover (yet); listed in the docs.
+TODO: list[CatalogueEntry] = []
+
+
+def catalogue() -> list[CatalogueEntry]:
+    entries = [
+        CatalogueEntry(spec.name, spec.title, spec.command, spec.todo)
+        for spec in SCENARIOS.values()
+    ]
+    return entries + TODO
