@@ -17,7 +17,10 @@
 #include "thinvm_balloon.h"
 
 atomic_long_t tb_counters[TB_NR_COUNTERS];
+atomic_long_t tb_blocks_by_order[THINVM_MAX_PAGE_ORDER + 1];
 int tb_report_order_now = -1;
+int tb_range_shift_now = -1;
+int tb_range_order_now = -1;
 
 static const char * const tb_counter_names[TB_NR_COUNTERS] = {
 	[TB_INFLATED_PAGES] = "inflated_pages",
@@ -36,6 +39,12 @@ static const char * const tb_counter_names[TB_NR_COUNTERS] = {
 	[TB_HINT_BLOCKS_SHRUNK] = "hint_blocks_shrunk",
 	[TB_REPORT_REQUESTS] = "report_requests",
 	[TB_REPORT_PAGES] = "report_pages",
+	[TB_RANGE_REQUESTS] = "range_requests",
+	[TB_RANGES_SENT] = "ranges_sent",
+	[TB_HUGE_BLOCKS] = "huge_blocks",
+	[TB_SMALL_BLOCKS] = "small_blocks",
+	[TB_WHOLE_BLOCKS_HELD] = "whole_blocks_held",
+	[TB_WHOLE_BLOCKS_SPLIT] = "whole_blocks_split",
 };
 
 static struct dentry *tb_debugfs_dir;
@@ -49,6 +58,12 @@ static int tb_stats_show(struct seq_file *m, void *unused)
 			   atomic_long_read(&tb_counters[i]));
 	seq_printf(m, "hint_order %u\n", TB_HINT_ORDER);
 	seq_printf(m, "report_order %d\n", READ_ONCE(tb_report_order_now));
+	seq_printf(m, "range_granule_shift %d\n",
+		   READ_ONCE(tb_range_shift_now));
+	seq_printf(m, "range_order %d\n", READ_ONCE(tb_range_order_now));
+	for (i = 0; i <= THINVM_MAX_PAGE_ORDER; i++)
+		seq_printf(m, "blocks_order_%d %ld\n", i,
+			   atomic_long_read(&tb_blocks_by_order[i]));
 	return 0;
 }
 DEFINE_SHOW_ATTRIBUTE(tb_stats);
@@ -111,3 +126,15 @@ TB_COUNTER_PARAM(report_requests, TB_REPORT_REQUESTS,
 		 "free page reports sent to the device");
 TB_COUNTER_PARAM(report_pages, TB_REPORT_PAGES,
 		 "4 KiB pages reported free to the device");
+TB_COUNTER_PARAM(range_requests, TB_RANGE_REQUESTS,
+		 "inflate/deflate requests sent as page ranges (VIRTIO_BALLOON_F_RANGES)");
+TB_COUNTER_PARAM(ranges_sent, TB_RANGES_SENT,
+		 "page ranges sent in those requests");
+TB_COUNTER_PARAM(huge_blocks, TB_HUGE_BLOCKS,
+		 "blocks inflated at the device's preferred order (range mode)");
+TB_COUNTER_PARAM(small_blocks, TB_SMALL_BLOCKS,
+		 "blocks inflated below the preferred order, single pages included (range mode)");
+TB_COUNTER_PARAM(whole_blocks_held, TB_WHOLE_BLOCKS_HELD,
+		 "blocks of at least pageblock_order held whole (unmovable) now");
+TB_COUNTER_PARAM(whole_blocks_split, TB_WHOLE_BLOCKS_SPLIT,
+		 "whole blocks split into single balloon pages to deflate part of one");

@@ -31,6 +31,11 @@ module_param(disable_features, ulong, 0444);
 MODULE_PARM_DESC(disable_features,
 		 "Bit mask of VIRTIO_BALLOON_F_* feature bits (below 28) to refuse even if the device offers them (default 0)");
 
+static bool ranges = true;
+module_param(ranges, bool, 0444);
+MODULE_PARM_DESC(ranges,
+		 "Accept VIRTIO_BALLOON_F_RANGES (inflate/deflate by page ranges) when the device offers it (default Y); N keeps frame numbers, like disable_features=0x800000");
+
 bool tb_has(const struct thinvm_balloon *tb, unsigned int fbit)
 {
 	return virtio_has_feature(tb->vdev, fbit);
@@ -167,26 +172,45 @@ static void tb_set_pfns(struct thinvm_balloon *tb, unsigned int at,
 }
 
 /*
- * Hand the first @npfns entries of tb->pfns to @vq and wait until the
- * device has consumed them.  The queue is otherwise empty (tb->lock is
- * held), so adding one buffer can only fail if the device is broken.
+ * Hand @len bytes at @buf to @vq and wait until the device has consumed
+ * them.  The queue is otherwise empty (tb->lock is held), so adding one
+ * buffer can only fail if the device is broken.
  */
-static int tb_send_pfns(struct thinvm_balloon *tb, struct virtqueue *vq,
-			unsigned int npfns)
+int tb_send(struct thinvm_balloon *tb, struct virtqueue *vq, void *buf,
+	    unsigned int len)
 {
 	struct scatterlist sg;
-	unsigned int len;
+	unsigned int used;
 	int err;
 
 	lockdep_assert_held(&tb->lock);
-	sg_init_one(&sg, tb->pfns, sizeof(tb->pfns[0]) * npfns);
+	sg_init_one(&sg, buf, len);
 	err = virtqueue_add_outbuf(vq, &sg, 1, tb, GFP_KERNEL);
 	if (WARN_ON_ONCE(err))
 		return err;
 	virtqueue_kick(vq);
 	wait_event(tb->acked,
-		   virtqueue_get_buf(vq, &len) || virtqueue_is_broken(vq));
+		   virtqueue_get_buf(vq, &used) || virtqueue_is_broken(vq));
 	return 0;
+}
+
+/* Hand the first @npfns entries of tb->pfns to @vq. */
+static int tb_send_pfns(struct thinvm_balloon *tb, struct virtqueue *vq,
+			unsigned int npfns)
+{
+	return tb_send(tb, vq, tb->pfns, sizeof(tb->pfns[0]) * npfns);
+}
+
+/* Tell @vq about the single guest page @page, in either format. */
+static void tb_tell_page(struct thinvm_balloon *tb, struct virtqueue *vq,
+			 struct page *page)
+{
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES)) {
+		tb_ranges_tell_page(tb, vq, page);
+		return;
+	}
+	tb_set_pfns(tb, 0, page);
+	tb_send_pfns(tb, vq, TB_PAGES_PER_PAGE);
 }
 
 /*
@@ -194,7 +218,7 @@ static int tb_send_pfns(struct thinvm_balloon *tb, struct virtqueue *vq,
  * it stops counting as guest RAM (MemTotal shrinks).  With it, the memory
  * can come back at any time and stays accounted as used.
  */
-static void tb_account(struct thinvm_balloon *tb, struct page *page, long n)
+void tb_account(struct thinvm_balloon *tb, struct page *page, long n)
 {
 	if (!tb_has(tb, VIRTIO_BALLOON_F_DEFLATE_ON_OOM))
 		adjust_managed_page_count(page, n);
@@ -202,14 +226,18 @@ static void tb_account(struct thinvm_balloon *tb, struct page *page, long n)
 
 /*
  * Move up to @want balloon pages (at most one request's worth) from the
- * guest into the balloon.  Returns the number moved; fewer than asked
- * means the page allocator had nothing to give.
+ * guest into the balloon.  Returns the number moved; *@stuck is set when
+ * the page allocator had nothing (more) to give.
  */
-static unsigned int tb_inflate(struct thinvm_balloon *tb, unsigned int want)
+static unsigned int tb_inflate(struct thinvm_balloon *tb, unsigned int want,
+			       bool *stuck)
 {
 	unsigned int got = 0, npfns = 0;
 	struct page *page;
 	LIST_HEAD(pages);
+
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
+		return tb_ranges_inflate(tb, want, stuck);
 
 	want = min_t(unsigned int, want, TB_PFNS_PER_REQ);
 
@@ -247,19 +275,26 @@ static unsigned int tb_inflate(struct thinvm_balloon *tb, unsigned int want)
 		tb_count(TB_INFLATED_PAGES, npfns);
 	}
 	mutex_unlock(&tb->lock);
+	*stuck = npfns < want;
 	return npfns;
 }
 
 /*
  * Give up to @want balloon pages (at most one request's worth) back to
- * the guest.  Returns the number released.  Fewer than asked means the
- * balloon is empty or its remaining pages are isolated for migration.
+ * the guest.  Returns the number released.  *@stuck (if not NULL) is set
+ * when the balloon is empty or its remaining pages are isolated for
+ * migration.  With ranges, @whole_blocks lets whole blocks take the
+ * number past @want (deflate-on-OOM) rather than splitting one.
  */
-unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want)
+unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want,
+			bool whole_blocks, bool *stuck)
 {
 	unsigned int npfns = 0;
 	struct page *page, *next;
 	LIST_HEAD(pages);
+
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
+		return tb_ranges_deflate(tb, want, whole_blocks, stuck);
 
 	mutex_lock(&tb->lock);
 	want = min3(want, (unsigned int)TB_PFNS_PER_REQ, tb->num_pages);
@@ -293,6 +328,8 @@ unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want)
 	}
 out:
 	mutex_unlock(&tb->lock);
+	if (stuck)
+		*stuck = npfns < want;
 	return npfns;
 }
 
@@ -345,6 +382,7 @@ static void tb_size_work(struct work_struct *work)
 						 struct thinvm_balloon,
 						 size_work);
 	unsigned int want, done;
+	bool stuck;
 	s64 delta;
 
 	tb_wake_begin(tb, TB_WAKE_RESIZE);
@@ -352,16 +390,19 @@ static void tb_size_work(struct work_struct *work)
 	if (!delta)
 		goto out;
 
-	want = min_t(u64, abs(delta), TB_PFNS_PER_REQ);
+	/* With ranges a round is sized by the target, up to 512 MiB. */
+	want = min_t(u64, abs(delta),
+		     tb_has(tb, VIRTIO_BALLOON_F_RANGES) ?
+		     TB_RANGE_ROUND_PAGES : TB_PFNS_PER_REQ);
 	if (delta > 0) {
-		done = tb_inflate(tb, want);
-		tb_note_inflate_progress(tb, done == want);
+		done = tb_inflate(tb, want, &stuck);
+		tb_note_inflate_progress(tb, !stuck);
 	} else {
-		done = tb_deflate(tb, want);
+		done = tb_deflate(tb, want, false, &stuck);
 	}
 	tb_update_actual(tb);
 
-	if (done == want && abs(delta) > done) {
+	if (!stuck && abs(delta) > done) {
 		/* More to do: stay awake and carry on at once. */
 		tb_queue_size_work(tb, 0, 0);
 		return;
@@ -370,7 +411,7 @@ static void tb_size_work(struct work_struct *work)
 	 * Stuck for now (no free memory, or the remaining balloon pages are
 	 * being migrated): retry later, and let the system suspend meanwhile.
 	 */
-	if (done < want)
+	if (stuck)
 		tb_queue_size_work(tb, msecs_to_jiffies(retry_delay_ms), 0);
 out:
 	tb_wake_end(tb);
@@ -459,10 +500,8 @@ static int tb_migrate_page(struct balloon_dev_info *info,
 	__count_vm_event(BALLOON_MIGRATE);
 	spin_unlock_irqrestore(&info->pages_lock, flags);
 
-	tb_set_pfns(tb, 0, newpage);
-	tb_send_pfns(tb, tb->inflate_vq, TB_PAGES_PER_PAGE);
-	tb_set_pfns(tb, 0, page);
-	tb_send_pfns(tb, tb->deflate_vq, TB_PAGES_PER_PAGE);
+	tb_tell_page(tb, tb->inflate_vq, newpage);
+	tb_tell_page(tb, tb->deflate_vq, page);
 	tb_count(TB_INFLATE_REQUESTS, 1);
 	tb_count(TB_DEFLATE_REQUESTS, 1);
 	tb_count(TB_MIGRATED_PAGES, TB_PAGES_PER_PAGE);
@@ -488,7 +527,7 @@ static void tb_compaction_setup(struct thinvm_balloon *tb)
 static void tb_empty_balloon(struct thinvm_balloon *tb)
 {
 	while (READ_ONCE(tb->num_pages)) {
-		if (!tb_deflate(tb, READ_ONCE(tb->num_pages)))
+		if (!tb_deflate(tb, READ_ONCE(tb->num_pages), false, NULL))
 			msleep(20);	/* pages isolated for migration */
 	}
 	tb_update_actual(tb);
@@ -513,6 +552,8 @@ static int tb_device_up(struct thinvm_balloon *tb)
 	/* poison_val must be written before DRIVER_OK. */
 	if (tb_has(tb, VIRTIO_BALLOON_F_PAGE_POISON))
 		tb_poison_setup(tb);
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
+		tb_ranges_start(tb);
 
 	virtio_device_ready(tb->vdev);
 
@@ -572,10 +613,15 @@ static int tb_probe(struct virtio_device *vdev)
 		if (err)
 			goto err_hint;
 	}
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES)) {
+		err = tb_ranges_setup(tb);
+		if (err)
+			goto err_oom;
+	}
 
 	err = tb_device_up(tb);
 	if (err)
-		goto err_oom;
+		goto err_ranges;
 
 	/*
 	 * The transport's own wakeup source covers its interrupts; requests
@@ -596,6 +642,9 @@ static int tb_probe(struct virtio_device *vdev)
 		tb_queue_size_work(tb, 0, TB_WAKE_RESIZE);
 	return 0;
 
+err_ranges:
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
+		tb_ranges_teardown(tb);
 err_oom:
 	if (tb_has(tb, VIRTIO_BALLOON_F_DEFLATE_ON_OOM))
 		tb_oom_teardown(tb);
@@ -616,6 +665,8 @@ static void tb_remove(struct virtio_device *vdev)
 		tb_report_teardown(tb);
 	tb_stop_work(tb);
 	tb_device_down(tb);
+	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
+		tb_ranges_teardown(tb);
 	if (tb_has(tb, VIRTIO_BALLOON_F_DEFLATE_ON_OOM))
 		tb_oom_teardown(tb);
 	if (tb_has(tb, VIRTIO_BALLOON_F_FREE_PAGE_HINT))
@@ -669,6 +720,8 @@ static int tb_validate(struct virtio_device *vdev)
 	/* Only device-specific feature bits can be refused. */
 	for_each_set_bit(fbit, &disable_features, VIRTIO_TRANSPORT_F_START)
 		__virtio_clear_bit(vdev, fbit);
+	if (!ranges)
+		__virtio_clear_bit(vdev, VIRTIO_BALLOON_F_RANGES);
 
 	/*
 	 * PAGE_POISON tells the device what free pages contain.  It only
@@ -706,6 +759,7 @@ static unsigned int tb_features[] = {
 	VIRTIO_BALLOON_F_FREE_PAGE_HINT,
 	VIRTIO_BALLOON_F_PAGE_POISON,
 	VIRTIO_BALLOON_F_REPORTING,
+	VIRTIO_BALLOON_F_RANGES,
 };
 
 static struct virtio_driver tb_driver = {

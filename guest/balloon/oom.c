@@ -48,7 +48,7 @@ static int tb_oom_notify(struct notifier_block *nb, unsigned long unused,
 	unsigned int done = 0, n;
 
 	while (done < want) {
-		n = tb_deflate(tb, want - done);
+		n = tb_deflate(tb, want - done, true, NULL);
 		if (!n)
 			break;
 		done += n;

@@ -29,6 +29,39 @@
 /* PFNs carried by one inflate or deflate request. */
 #define TB_PFNS_PER_REQ		256
 
+/*
+ * VIRTIO_BALLOON_F_RANGES, a thinvm extension specified in
+ * docs/protocol/balloon-ranges.md: inflateq and deflateq carry arrays of
+ * struct virtio_balloon_range instead of frame numbers, and the device
+ * advertises its backing granule in range_granule_shift.
+ */
+#ifndef VIRTIO_BALLOON_F_RANGES
+#define VIRTIO_BALLOON_F_RANGES	23
+#endif
+
+/* Wire format of one range (little-endian, 16 bytes). */
+struct virtio_balloon_range {
+	__le64 addr;	/* guest physical address of the first byte */
+	__le64 len;	/* length in bytes */
+};
+
+/*
+ * The device's configuration space, with the field that RANGES appends
+ * after poison_val.  Used only to read that field.
+ */
+struct thinvm_balloon_config {
+	__le32 num_pages;
+	__le32 actual;
+	__le32 free_page_hint_cmd_id;
+	__le32 poison_val;
+	__le32 range_granule_shift;	/* VIRTIO_BALLOON_F_RANGES */
+};
+
+/* Ranges carried by one request: one 4 KiB buffer. */
+#define TB_RANGES_PER_REQ	256
+/* Most balloon pages one range inflate or deflate round moves: 512 MiB. */
+#define TB_RANGE_ROUND_PAGES	(TB_RANGES_PER_REQ * 512U)
+
 /* Free page hint blocks are the largest buddy blocks. */
 #define TB_HINT_ORDER		THINVM_MAX_PAGE_ORDER
 #define TB_HINT_BLOCK_PAGES	BIT(TB_HINT_ORDER)
@@ -110,6 +143,25 @@ struct thinvm_balloon {
 	/* VIRTIO_BALLOON_F_REPORTING */
 	struct page_reporting_dev_info pr_dev_info;
 	bool reporting;
+
+	/*
+	 * VIRTIO_BALLOON_F_RANGES.  Deflate and migration build their
+	 * requests in ranges[] under tb->lock; inflate builds its request in
+	 * inflate_ranges[] while it allocates, before taking tb->lock, and
+	 * only the resize work item inflates.
+	 */
+	struct virtio_balloon_range *ranges;
+	struct virtio_balloon_range *inflate_ranges;
+	/* Preferred block order, from the device's range_granule_shift. */
+	unsigned int range_order;
+	/*
+	 * Blocks of at least pageblock_order, kept whole and unmovable
+	 * (see ranges.c), newest first, each with its order in
+	 * page_private().  Under tb->lock.
+	 */
+	struct list_head whole_blocks;
+	/* Balloon pages in whole_blocks; the rest are on b_dev_info. */
+	unsigned int whole_pages;
 };
 
 #define TB_WAKE_RESIZE		BIT(0)
@@ -122,8 +174,12 @@ bool tb_has(const struct thinvm_balloon *tb, unsigned int fbit);
 void tb_vq_ack(struct virtqueue *vq);
 void tb_queue_work(struct thinvm_balloon *tb, struct workqueue_struct *wq,
 		   struct work_struct *work, unsigned int wake);
-unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want);
+unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want,
+			bool whole_blocks, bool *stuck);
 void tb_update_actual(struct thinvm_balloon *tb);
+int tb_send(struct thinvm_balloon *tb, struct virtqueue *vq, void *buf,
+	    unsigned int len);
+void tb_account(struct thinvm_balloon *tb, struct page *page, long n);
 
 /* stats.c */
 void tb_stats_request(struct virtqueue *vq);
@@ -140,6 +196,17 @@ unsigned long tb_hint_release(struct thinvm_balloon *tb, unsigned long nr);
 /* oom.c */
 int tb_oom_setup(struct thinvm_balloon *tb);
 void tb_oom_teardown(struct thinvm_balloon *tb);
+
+/* ranges.c */
+int tb_ranges_setup(struct thinvm_balloon *tb);
+void tb_ranges_teardown(struct thinvm_balloon *tb);
+void tb_ranges_start(struct thinvm_balloon *tb);
+unsigned int tb_ranges_inflate(struct thinvm_balloon *tb, unsigned int want,
+			       bool *stuck);
+unsigned int tb_ranges_deflate(struct thinvm_balloon *tb, unsigned int want,
+			       bool whole_blocks, bool *stuck);
+void tb_ranges_tell_page(struct thinvm_balloon *tb, struct virtqueue *vq,
+			 struct page *page);
 
 /* report.c */
 void tb_poison_setup(struct thinvm_balloon *tb);
@@ -164,12 +231,23 @@ enum tb_counter {
 	TB_HINT_BLOCKS_SHRUNK,
 	TB_REPORT_REQUESTS,
 	TB_REPORT_PAGES,
+	TB_RANGE_REQUESTS,
+	TB_RANGES_SENT,
+	TB_HUGE_BLOCKS,
+	TB_SMALL_BLOCKS,
+	TB_WHOLE_BLOCKS_HELD,	/* held now */
+	TB_WHOLE_BLOCKS_SPLIT,
 	TB_NR_COUNTERS
 };
 
 extern atomic_long_t tb_counters[TB_NR_COUNTERS];
 /* Effective free page reporting order, -1 while reporting is off. */
 extern int tb_report_order_now;
+/* Blocks inflated in range mode, by order. */
+extern atomic_long_t tb_blocks_by_order[THINVM_MAX_PAGE_ORDER + 1];
+/* Range granule shift and preferred block order, -1 without RANGES. */
+extern int tb_range_shift_now;
+extern int tb_range_order_now;
 
 static inline void tb_count(enum tb_counter c, long n)
 {
