@@ -7,6 +7,7 @@ Sizes default to what fits in < 5 minutes per scenario on a 2-CPU TCG host;
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -41,6 +42,31 @@ MIGRATION_PORT = 4444  # inside the private destination namespace
 
 
 # -- helpers -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """The parts one variant runs: QEMU build, guest driver, features."""
+
+    build: str = "stock"
+    driver: str = "stock"
+    hint: bool = False
+    reporting: bool = False
+    sparse: bool = False  # the sparse-ram migration capability (patched QEMU)
+    ranges: bool = False  # VIRTIO_BALLOON_F_RANGES offered (patched QEMU)
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        return {"sparse-ram": True} if self.sparse else {}
+
+
+def stack_config(opts: BenchOptions, name: str, memory: int, stack: Stack, **kw: Any) -> VMConfig:
+    """guest_config() with the build, driver and features of `stack`."""
+    config = guest_config(opts, name, memory, hint=stack.hint, reporting=stack.reporting, **kw)
+    config.build, config.guest_driver = stack.build, stack.driver
+    if stack.ranges:
+        config.extra_args = [*config.extra_args, "-global", "virtio-balloon-pci.ranges=on"]
+    return config
 
 
 def guest_config(
@@ -84,6 +110,7 @@ def migration_metrics(result: migrate.MigrationResult) -> Metrics:
         "normal_pages": result.normal_pages,
         "zero_pages": result.zero_pages,
         "dirty_syncs": result.dirty_sync_count,
+        "sparse_skipped_pages": result.sparse_skipped,
     }
 
 
@@ -138,15 +165,20 @@ class Transport:
         with in_netns(self._netns(incoming)):
             return VM(config, incoming=incoming).start()
 
-    def migrate(self, src: VM, dst: VM, ctx: RunContext) -> migrate.MigrationResult:
+    def migrate(
+        self, src: VM, dst: VM, ctx: RunContext, caps: dict[str, bool] | None = None
+    ) -> migrate.MigrationResult:
         def progress(info: dict[str, Any]) -> None:
             ctx.step(migrate.describe_progress(info))
 
         if self.link is None:
-            return migrate.migrate(src, dst, params=MIGRATION_PARAMS, progress=progress)
+            return migrate.migrate(src, dst, caps=caps, params=MIGRATION_PARAMS, progress=progress)
         uri = f"tcp:{self.link.dst_ip}:{MIGRATION_PORT}"
+        migrate.set_capabilities(dst, caps or {})
         dst.qmp("migrate-incoming", uri=uri)
-        result = migrate.migrate_to_uri(src, uri, params=MIGRATION_PARAMS, progress=progress)
+        result = migrate.migrate_to_uri(
+            src, uri, caps=caps, params=MIGRATION_PARAMS, progress=progress
+        )
         migrate.wait_destination_running(dst)
         dst.wait_agent(timeout=60)
         return result
@@ -179,17 +211,40 @@ def _float(params: dict[str, str], key: str) -> float:
 # -- 1. inflate -------------------------------------------------------------
 
 
+DRIVER_PARAMS = "/sys/module/thinvm_balloon/parameters"
+
+
+def driver_requests(vm: VM) -> Metrics:
+    """Virtqueue round trips our guest driver made (its own counters)."""
+    names = ("inflate_requests", "deflate_requests", "range_requests")
+    out = vm.agent.run(f"cd {DRIVER_PARAMS} && grep -H . " + " ".join(names)).stdout
+    metrics: Metrics = {}
+    for line in out.splitlines():
+        name, _, value = line.partition(":")
+        if value.strip().isdigit():
+            metrics[f"driver_{name}"] = int(value)
+    return metrics
+
+
 def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     fraction = _float(params, "fraction")
     if not 0 < fraction < 1:
         raise ThinvmError(f"--param fraction={fraction}: want a fraction between 0 and 1")
     keep = int(size * (1 - fraction)) // MiB * MiB
     timeout = 60 + 30 * size / GiB
+    # Debian's kernels zero every page they allocate (init_on_alloc=1),
+    # balloon pages included; under TCG that zeroing dominates inflation
+    # for every driver.  init_on_alloc=0 measures the balloon itself.
+    init_on_alloc = params["init_on_alloc"]
+    if init_on_alloc not in ("0", "1"):
+        raise ThinvmError(f"--param init_on_alloc={init_on_alloc}: want 0 or 1")
 
-    def variant(touched: bool) -> Callable[[RunContext], Metrics]:
+    def variant(touched: bool, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             metrics: Metrics = {}
-            with VM(guest_config(opts, "b-inflate", size)).start() as vm:
+            config = stack_config(opts, "b-inflate", size, stack)
+            config.append = f"{config.append} init_on_alloc={init_on_alloc}".strip()
+            with VM(config).start() as vm:
                 ctx.note("boot_s", vm.boot_seconds)
                 if touched:
                     ctx.step("guest touches its free memory")
@@ -205,6 +260,8 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
                     balloon.set_target(vm, size)
                     deflate_s = balloon.wait_actual(vm, size, timeout=timeout)
                 after = vm.host_memory()
+                if stack.driver == "thinvm":
+                    metrics.update(driver_requests(vm))
             assert inflate.counts is not None and deflate.counts is not None
             metrics.update(
                 {
@@ -241,6 +298,16 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
         variants=[
             Variant("untouched", variant(False), "inflate right after boot"),
             Variant("touched", variant(True), "the guest first touches all its free memory"),
+            Variant(
+                "touched-thinvm-pfn",
+                variant(True, Stack(build="patched", driver="thinvm")),
+                "touched; our driver, patched QEMU without ranges (PFN arrays)",
+            ),
+            Variant(
+                "touched-ranges",
+                variant(True, Stack(build="patched", driver="thinvm", ranges=True)),
+                "touched; our driver with VIRTIO_BALLOON_F_RANGES",
+            ),
         ],
         main_metric="inflate_s",
         second_metric="thp_inflated_bytes",
@@ -249,6 +316,7 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
             "fraction": fraction,
             "keep": format_size(keep),
             "counter": opts.counter,
+            "init_on_alloc": init_on_alloc,
         },
     )
 
@@ -257,24 +325,41 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
 
 
 def idle_migration(
-    opts: BenchOptions, size: int, hint: bool, transport: Transport, idle: float
+    opts: BenchOptions, size: int, stack: Stack, transport: Transport, idle: float
 ) -> Callable[[RunContext], Metrics]:
     """Boot, touch most RAM and free it, idle, migrate; the destination shares the config."""
 
     def run(ctx: RunContext) -> Metrics:
-        config = guest_config(opts, "b-idle", size, hint=hint)
+        config = stack_config(opts, "b-idle", size, stack)
         with transport.start(config) as src:
             ctx.note("boot_s", src.boot_seconds)
             ctx.step("guest touches its free memory")
             metrics = touch_most(src)
             time.sleep(idle)
+            if stack.reporting:
+                ctx.step("waiting for free page reporting to settle")
+                _settle(lambda: src.host_memory().rss, timeout=60)
             metrics["src_rss_bytes"] = src.host_memory().rss
             with transport.start(config, incoming=True) as dst:
-                result = transport.migrate(src, dst, ctx)
+                result = transport.migrate(src, dst, ctx, stack.caps)
                 dst_mem = dst.host_memory()
         return {**migration_metrics(result), "dst_rss_bytes": dst_mem.rss, **metrics}
 
     return run
+
+
+SPARSE = Stack(build="patched", sparse=True)
+IDLE_VARIANTS = [
+    ("legacy", Stack(), "stock QEMU, no hinting"),
+    ("free-page-hint", Stack(hint=True), "stock QEMU, free-page-hint=on"),
+    ("sparse", SPARSE, "patched QEMU, sparse-ram"),
+    ("sparse+hint", dataclasses.replace(SPARSE, hint=True), "sparse-ram + free-page-hint"),
+    (
+        "sparse+hint+report",
+        dataclasses.replace(SPARSE, hint=True, reporting=True),
+        "sparse-ram + free-page-hint + free-page-reporting",
+    ),
+]
 
 
 def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -293,12 +378,8 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
             "destination RSS is what the destination host had to allocate."
         ),
         variants=[
-            Variant("legacy", idle_migration(opts, size, False, transport, idle), "no hinting"),
-            Variant(
-                "free-page-hint",
-                idle_migration(opts, size, True, transport, idle),
-                "free-page-hint=on",
-            ),
+            Variant(name, idle_migration(opts, size, stack, transport, idle), text)
+            for name, stack, text in IDLE_VARIANTS
         ],
         main_metric="migration_ms",
         second_metric="transferred_bytes",
@@ -331,9 +412,9 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
     seconds, warmup = _int(params, "seconds"), _float(params, "warmup")
     transport = Transport(opts.net)
 
-    def variant(migrating: bool, hint: bool) -> Callable[[RunContext], Metrics]:
+    def variant(migrating: bool, stack: Stack) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
-            config = guest_config(opts, "b-dirty", size, hint=hint)
+            config = stack_config(opts, "b-dirty", size, stack)
             metrics: Metrics = {}
             with transport.start(config) as src:
                 ctx.note("boot_s", src.boot_seconds)
@@ -347,7 +428,7 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
                     out = _wait_dirty_result(src, seconds + 120)
                 else:
                     with transport.start(config, incoming=True) as dst:
-                        result = transport.migrate(src, dst, ctx)
+                        result = transport.migrate(src, dst, ctx, stack.caps)
                         metrics.update(migration_metrics(result))
                         ctx.step("waiting for the workload to finish on the destination")
                         out = _wait_dirty_result(dst, seconds + 120)
@@ -372,9 +453,14 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
             "so the longest slice shows CPU starvation, not the downtime itself."
         ),
         variants=[
-            Variant("no-migration", variant(False, False), "the workload alone"),
-            Variant("legacy", variant(True, False), "migration without hinting"),
-            Variant("free-page-hint", variant(True, True), "migration with free-page-hint=on"),
+            Variant("no-migration", variant(False, Stack()), "the workload alone"),
+            Variant("legacy", variant(True, Stack()), "migration without hinting"),
+            Variant(
+                "free-page-hint",
+                variant(True, Stack(hint=True)),
+                "migration with free-page-hint=on",
+            ),
+            Variant("sparse", variant(True, SPARSE), "patched QEMU, sparse-ram"),
         ],
         main_metric="migration_ms",
         second_metric="achieved_mibps",
@@ -398,9 +484,9 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
     small = size // 8
     transport = Transport(opts.net)
 
-    def variant(ballooned: bool) -> Callable[[RunContext], Metrics]:
+    def variant(ballooned: bool, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
-            config = guest_config(opts, "b-balloon", size if ballooned else small)
+            config = stack_config(opts, "b-balloon", size if ballooned else small, stack)
             metrics: Metrics = {}
             with transport.start(config) as src:
                 ctx.note("boot_s", src.boot_seconds)
@@ -412,7 +498,8 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
                     )
                 metrics["src_rss_bytes"] = src.host_memory().rss
                 with transport.start(config, incoming=True) as dst:
-                    metrics.update(migration_metrics(transport.migrate(src, dst, ctx)))
+                    result = transport.migrate(src, dst, ctx, stack.caps)
+                    metrics.update(migration_metrics(result))
                     metrics["dst_rss_bytes"] = dst.host_memory().rss
             return metrics
 
@@ -431,6 +518,11 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
         variants=[
             Variant("ballooned", variant(True), f"{format_size(size)} guest, balloon to 1/8"),
             Variant("small", variant(False), f"{format_size(small)} guest"),
+            Variant(
+                "ballooned-sparse",
+                variant(True, SPARSE),
+                "the same ballooned guest, patched QEMU with sparse-ram",
+            ),
         ],
         main_metric="migration_ms",
         second_metric="transferred_bytes",
@@ -464,17 +556,18 @@ def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) ->
     idle = _float(params, "idle")
     transport = Transport(opts.net)
 
-    def variant(memory: int) -> Callable[[RunContext], Metrics]:
+    def variant(memory: int, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             # Untouched guest RAM costs nothing; reserve=off only where the
             # kernel's overcommit heuristic would refuse the mapping.
-            config = guest_config(opts, "b-scale", memory, reserve=fits_reserved(memory))
+            config = stack_config(opts, "b-scale", memory, stack, reserve=fits_reserved(memory))
             with transport.start(config) as src:
                 ctx.note("boot_s", src.boot_seconds)
                 time.sleep(idle)
                 metrics: Metrics = {"src_rss_bytes": src.host_memory().rss}
                 with transport.start(config, incoming=True) as dst:
-                    metrics.update(migration_metrics(transport.migrate(src, dst, ctx)))
+                    result = transport.migrate(src, dst, ctx, stack.caps)
+                    metrics.update(migration_metrics(result))
                     metrics["dst_rss_bytes"] = dst.host_memory().rss
             return metrics
 
@@ -489,7 +582,15 @@ def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) ->
             "live-migrate (legacy, no hinting). Almost all of their RAM was never "
             "touched, so this measures the per-GiB cost of scanning zero pages."
         ),
-        variants=[Variant(_size_name(s), variant(s), f"{format_size(s)} guest") for s in sizes],
+        variants=[
+            *(Variant(_size_name(s), variant(s), f"{format_size(s)} guest") for s in sizes),
+            *(
+                Variant(
+                    f"{_size_name(s)}-sparse", variant(s, SPARSE), f"{format_size(s)}, sparse-ram"
+                )
+                for s in sizes
+            ),
+        ],
         main_metric="migration_ms",
         second_metric="transferred_bytes",
         params={
@@ -745,7 +846,7 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     variants = [
         Variant(
             f"{t.kind}-{mode}",
-            idle_migration(opts, size, mode == "hint", t, idle),
+            idle_migration(opts, size, Stack(hint=mode == "hint"), t, idle),
             f"{'free-page-hint=on' if mode == 'hint' else 'no hinting'} over {t.kind}",
         )
         for mode in ("legacy", "hint")
@@ -805,7 +906,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             "4G",
             "guest RAM (8G on bigger hosts)",
             default_runs=2,
-            params={"fraction": "0.875"},
+            params={"fraction": "0.875", "init_on_alloc": "1"},
         ),
         ScenarioSpec(
             "migrate-idle",

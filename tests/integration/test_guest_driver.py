@@ -171,3 +171,34 @@ def test_612_guest_boots_with_our_driver(make_vm: VMFactory) -> None:
     balloon.set_target(vm, 768 * MiB)
     balloon.wait_actual(vm, 768 * MiB)
     assert counters(vm.agent)["inflated_pages"] == 256 * MiB // PAGE
+
+
+def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None:
+    """Our driver + patched QEMU with ranges=on (docs/protocol/balloon-ranges.md)."""
+    memory = 2 * GiB
+    config = ours("drv-ranges", memory)
+    config.build = "patched"
+    config.extra_args = ["-global", "virtio-balloon-pci.ranges=on"]
+    vm = make_vm(config)
+    workload.touch_free_memory(vm.agent)
+    rss_before = vm.host_memory().rss
+    inflate = 1 * GiB
+    balloon.set_target(vm, memory - inflate)
+    balloon.wait_actual(vm, memory - inflate)
+    c = counters(vm.agent)
+    assert c["inflated_pages"] == inflate // PAGE
+    assert c["huge_blocks"] > 0  # the device offered its 2 MiB THP granule
+    assert 0 < c["range_requests"] <= 8  # 1 GiB in a handful of round trips
+    # Every inflate request was a range request: no PFN arrays at all.
+    assert c["inflate_requests"] <= c["range_requests"]
+    device = "/machine/peripheral/balloon0"
+    discards = vm.qmp("qom-get", path=device, property="range-discards")
+    assert 0 < discards <= 512  # per GiB, the issue's bound
+    assert vm.qmp("qom-get", path=device, property="guest-errors") == 0
+    dropped = rss_before - vm.host_memory().rss
+    assert dropped >= 0.9 * inflate, f"host RSS dropped by only {format_size(dropped)}"
+
+    balloon.set_target(vm, memory)
+    balloon.wait_actual(vm, memory)
+    assert counters(vm.agent)["inflated_pages"] == 0
+    assert workload.meminfo(vm.agent)["MemTotal"] >= memory - 256 * MiB
