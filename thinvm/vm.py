@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from thinvm import accel as accel_mod
+from thinvm import pool as pool_mod
 from thinvm.agent import AgentClient
 from thinvm.builds import QemuBuild, find_build
 from thinvm.errors import ThinvmError
@@ -69,6 +70,9 @@ class VMConfig:
     # A memory cgroup directory (v1 or v2) QEMU runs in from its first
     # instruction, so every page it ever touches is charged there.
     memory_cgroup: str | None = None
+    # A warm pool directory (thinvm.pool): RAM comes from one of its
+    # pre-zeroed slots, or, when none fits, is preallocated as usual.
+    pool: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,15 +84,19 @@ class VMConfig:
         return cls(**data)
 
 
-def check_memory_fits(config: VMConfig) -> None:
-    """Refuse guest sizes this host cannot back, before QEMU fails obscurely."""
+def check_memory_fits(config: VMConfig, pooled: bool = False) -> None:
+    """Refuse guest sizes this host cannot back, before QEMU fails obscurely.
+
+    `pooled`: the RAM is a warm pool slot, allocated already.
+    """
     if config.memory < MIN_MEMORY:
         raise ThinvmError(
             f"guest memory {format_size(config.memory)} is too small: "
             f"the guest kernel needs at least {format_size(MIN_MEMORY)}"
         )
     meminfo = host_meminfo()
-    if config.prealloc and config.memory > meminfo["MemAvailable"]:
+    prealloc = (config.prealloc or config.pool is not None) and not pooled
+    if prealloc and config.memory > meminfo["MemAvailable"]:
         raise ThinvmError(
             f"cannot preallocate {format_size(config.memory)}: the host has only "
             f"{format_size(meminfo['MemAvailable'])} available; pass a smaller --memory"
@@ -158,6 +166,8 @@ class VM:
         self.image: GuestImage | None = None
         self.accel: str | None = None
         self.boot_seconds: float | None = None
+        self.pool_lease: pool_mod.Lease | None = None
+        self.pool_note = ""  # why a VM with config.pool got no slot
 
     # -- paths -------------------------------------------------------------
     @property
@@ -179,19 +189,23 @@ class VM:
     # -- command line ------------------------------------------------------
     def _memory_backend_args(self) -> list[str]:
         cfg = self.config
+        backend, prealloc = cfg.backend, cfg.prealloc
+        if self.pool_lease is not None:
+            # Pre-zeroed and populated: preallocation only maps the pages.
+            backend, prealloc = f"file:{self.pool_lease.path}", True
+        elif cfg.pool is not None:
+            prealloc = True  # no slot fits: preallocate as without the pool
         props = [f"id=mem0,size={cfg.memory}"]
-        if cfg.backend == "ram":
+        if backend == "ram":
             kind = "memory-backend-ram"
-        elif cfg.backend == "memfd":
+        elif backend == "memfd":
             kind = "memory-backend-memfd"
-        elif cfg.backend.startswith("file:"):
+        elif backend.startswith("file:"):
             kind = "memory-backend-file"
-            props.append(f"mem-path={cfg.backend[5:]},share=on")
+            props.append(f"mem-path={backend[5:]},share=on")
         else:
-            raise ThinvmError(
-                f"unknown memory backend {cfg.backend!r}: use ram, memfd or file:PATH"
-            )
-        if cfg.prealloc:
+            raise ThinvmError(f"unknown memory backend {backend!r}: use ram, memfd or file:PATH")
+        if prealloc:
             props.append(f"prealloc=on,prealloc-threads={cfg.prealloc_threads}")
         if not cfg.reserve:
             props.append("reserve=off")
@@ -268,10 +282,31 @@ class VM:
 
     # -- lifecycle ---------------------------------------------------------
     def _resolve(self) -> None:
-        check_memory_fits(self.config)
-        self.build = find_build(self.config.build)
-        self.image = ensure_image(self.config.kernel, self.config.guest_driver)
-        self.accel = accel_mod.resolve(self.config.accel, self.build)
+        self._take_pool_slot()
+        try:
+            check_memory_fits(self.config, pooled=self.pool_lease is not None)
+            self.build = find_build(self.config.build)
+            self.image = ensure_image(self.config.kernel, self.config.guest_driver)
+            self.accel = accel_mod.resolve(self.config.accel, self.build)
+        except BaseException:
+            self._return_pool_slot()
+            raise
+
+    def _take_pool_slot(self) -> None:
+        if self.config.pool is None or self.pool_lease is not None:
+            return
+        try:
+            self.pool_lease = pool_mod.acquire(
+                self.config.pool, self.config.memory, self.config.name
+            )
+        except pool_mod.PoolEmpty as exc:
+            self.pool_note = f"{exc}: preallocating anonymous RAM instead"
+
+    def _return_pool_slot(self) -> None:
+        """QEMU is gone: its slot is scrubbed before anyone gets it again."""
+        if self.config.pool is not None:
+            pool_mod.release_vm(self.config.pool, self.pool_lease, self.pid)
+            self.pool_lease = None
 
     def _spawn(self) -> None:
         log = open(self.qemu_log, "wb")  # noqa: SIM115 - handed to the child
@@ -291,6 +326,8 @@ class VM:
         self.pid = self.process.pid
         if not self.detached:
             _owned.add(self)
+        if self.pool_lease is not None:
+            self.pool_lease.bind(self.pid)
 
     def _qemu_output_tail(self) -> str:
         try:
@@ -298,24 +335,31 @@ class VM:
         except OSError:
             return ""
 
-    def _wait_for_qmp(self, timeout: float = 15.0) -> None:
+    def _qmp_timeout(self) -> float:
+        """QEMU answers QMP only after preallocating RAM: allow for it."""
+        base = 15.0
+        if self.config.prealloc or self.config.pool is not None:
+            base += 2.0 * self.config.memory / GiB  # at least 0.5 GiB/s
+        return base
+
+    def _wait_for_qmp(self) -> None:
+        timeout = self._qmp_timeout()
         deadline = time.monotonic() + timeout
-        while not self.qmp_socket.exists():
+        while True:
             if not self.alive():
                 raise ThinvmError(f"QEMU exited at start: {self._qemu_output_tail()}")
+            if self.qmp_socket.exists():
+                monitor = Monitor(f"thinvm-{self.config.name}")
+                try:
+                    monitor.connect(str(self.qmp_socket), max(1.0, deadline - time.monotonic()))
+                    self.monitor = monitor
+                    return
+                except ThinvmError:
+                    # The socket file exists before QEMU listens on it: retry.
+                    monitor.close()
             if time.monotonic() > deadline:
-                raise ThinvmError(f"QEMU did not open its QMP socket within {timeout:.0f} s")
-            time.sleep(0.02)
-        monitor = Monitor(f"thinvm-{self.config.name}")
-        try:
-            monitor.connect(str(self.qmp_socket))
-        except ThinvmError:
-            monitor.close()
-            time.sleep(0.2)
-            if not self.alive():
-                raise ThinvmError(f"QEMU exited at start: {self._qemu_output_tail()}") from None
-            raise
-        self.monitor = monitor
+                raise ThinvmError(f"QEMU did not answer on QMP within {timeout:.0f} s")
+            time.sleep(0.05)
 
     def start(self, wait_agent: bool = True) -> "VM":
         """Launch QEMU; unless incoming, wait until the guest agent answers."""
@@ -372,6 +416,7 @@ class VM:
         elif self.pid is not None and _pid_alive(self.pid):
             os.kill(self.pid, signal.SIGKILL)
             _wait_pid_gone(self.pid, 5.0)
+        self._return_pool_slot()
         if self._own_rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
 

@@ -9,6 +9,7 @@
  * the inner loops here are kept to a store or a compare per 64-bit word.
  */
 #define _GNU_SOURCE
+#include <elf.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -30,6 +31,8 @@
 #define MAX_MIB		(1UL << 20)		/* 1 TiB, far beyond any guest */
 #define IO_PAGES	256UL			/* 1 MiB per read()/write() */
 #define GOLDEN		0x9E3779B97F4A7C15ULL
+#define MIX_MUL1	0xBF58476D1CE4E5B9ULL
+#define MIX_MUL2	0x94D049BB133111EBULL
 
 #define SLICE_NS	10000000LL		/* dirty: pacing granularity */
 #define MAX_CATCHUP_NS	(10 * SLICE_NS)
@@ -74,8 +77,9 @@ static void usage(void)
 		"       %s pattern write PATH MIB --seed S\n"
 		"       %s pattern verify PATH --seed S\n"
 		"       %s pattern corrupt PATH --page K\n"
-		"       %s dirty MIB --rate MIBPS --seconds S\n",
-		prog, prog, prog, prog, prog, prog);
+		"       %s dirty MIB --rate MIBPS --seconds S\n"
+		"       %s kcore-scan [CORE] --seed S\n",
+		prog, prog, prog, prog, prog, prog, prog);
 }
 
 static int usage_error(const char *fmt, ...)
@@ -196,8 +200,8 @@ static int parse_seed(const char *s, uint64_t *seed)
 /* splitmix64's finaliser: cheap, and every input bit affects the output. */
 static uint64_t mix(uint64_t z)
 {
-	z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-	z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+	z = (z ^ (z >> 30)) * MIX_MUL1;
+	z = (z ^ (z >> 27)) * MIX_MUL2;
 	return z ^ (z >> 31);
 }
 
@@ -762,6 +766,205 @@ static int cmd_dirty(int argc, char **argv)
 	return 0;
 }
 
+/* ---- kcore-scan ---------------------------------------------------- */
+
+/*
+ * Does any page of guest RAM still hold a page of `pattern write --seed
+ * S`?  /proc/kcore is an ELF core of the kernel's address space; its RAM
+ * segments are the direct map, so they cover every page of RAM, free or
+ * not, once.  (Pages that are not RAM, or are offline such as balloon
+ * pages, read as zeros.)
+ *
+ * A page matches if its first 64 bytes are the head of the pattern page
+ * of any index for that seed: words 1..7 equal word 0 ^ (i * GOLDEN), and
+ * word 0 = mix64(S, p) for a page index p below MAX_PATTERN_PAGES.  Every
+ * step of mix() is a bijection, so p is recomputed from word 0 instead of
+ * being searched for.  A page from another seed recomputes to a random
+ * 64-bit p and fails with probability 1 - 2^-36.
+ */
+
+#define KCORE_PATH		"/proc/kcore"
+#define KERNEL_TEXT_BASE	0xffffffff80000000ULL	/* x86-64 kernel image */
+#define HEAD_WORDS		8
+#define MAX_PATTERN_PAGES	(MAX_MIB * PAGES_PER_MIB)
+
+struct head_sig {
+	uint64_t seed_mix;	/* mix(seed + GOLDEN) */
+	uint64_t inv_golden;
+	uint64_t inv_mul1;
+	uint64_t inv_mul2;
+};
+
+struct scan_result {
+	uint64_t pages;
+	uint64_t matches;
+	uint64_t unreadable;
+	unsigned int segments;
+};
+
+/* Inverse of an odd number modulo 2^64 (Newton: 3, 6, ..., 96 bits). */
+static uint64_t mul_inverse(uint64_t a)
+{
+	uint64_t x = a;
+	int i;
+
+	for (i = 0; i < 5; i++)
+		x *= 2 - a * x;
+	return x;
+}
+
+/* Inverse of y = x ^ (x >> s). */
+static uint64_t unxorshift(uint64_t y, unsigned int s)
+{
+	uint64_t x = y;
+	unsigned int i;
+
+	for (i = s; i < 64; i += s)
+		x ^= y >> i;
+	return x;
+}
+
+static uint64_t unmix(const struct head_sig *sig, uint64_t z)
+{
+	z = unxorshift(z, 31) * sig->inv_mul2;
+	z = unxorshift(z, 27) * sig->inv_mul1;
+	return unxorshift(z, 30);
+}
+
+static void head_sig_init(struct head_sig *sig, uint64_t seed)
+{
+	sig->seed_mix = mix(seed + GOLDEN);
+	sig->inv_golden = mul_inverse(GOLDEN);
+	sig->inv_mul1 = mul_inverse(MIX_MUL1);
+	sig->inv_mul2 = mul_inverse(MIX_MUL2);
+}
+
+static bool head_matches(const uint64_t *w, const struct head_sig *sig)
+{
+	uint64_t k = GOLDEN, page;
+	size_t i;
+
+	for (i = 1; i < HEAD_WORDS; i++, k += GOLDEN) {
+		if (w[i] != (w[0] ^ k))
+			return false;
+	}
+	page = (unmix(sig, w[0]) - sig->seed_mix) * sig->inv_golden;
+	return page < MAX_PATTERN_PAGES;
+}
+
+static void scan_pages(const char *buf, uint64_t pages,
+		       const struct head_sig *sig, struct scan_result *r)
+{
+	uint64_t i;
+
+	for (i = 0; i < pages; i++) {
+		if (head_matches((const uint64_t *)(buf + i * PAGE_BYTES), sig))
+			r->matches++;
+	}
+	r->pages += pages;
+}
+
+/* A chunk that cannot be read as a whole is retried page by page. */
+static void scan_range(int fd, uint64_t off, uint64_t len, char *buf,
+		       const struct head_sig *sig, struct scan_result *r)
+{
+	uint64_t done, n, i;
+
+	for (done = 0; done < len; done += n) {
+		n = len - done < IO_PAGES * PAGE_BYTES ?
+		    len - done : IO_PAGES * PAGE_BYTES;
+		if (pread(fd, buf, n, off + done) == (ssize_t)n) {
+			scan_pages(buf, n / PAGE_BYTES, sig, r);
+			continue;
+		}
+		for (i = 0; i < n; i += PAGE_BYTES) {
+			if (pread(fd, buf, PAGE_BYTES, off + done + i) ==
+			    (ssize_t)PAGE_BYTES)
+				scan_pages(buf, 1, sig, r);
+			else
+				r->unreadable++;
+		}
+	}
+}
+
+/* RAM has a physical address; the kernel image's alias of it is skipped. */
+static bool is_ram_segment(const Elf64_Phdr *ph)
+{
+	return ph->p_type == PT_LOAD && ph->p_paddr != (Elf64_Addr)-1 &&
+	       ph->p_vaddr < KERNEL_TEXT_BASE && ph->p_filesz >= PAGE_BYTES;
+}
+
+static int read_headers(int fd, const char *path, Elf64_Phdr **phdrs,
+			unsigned int *count)
+{
+	Elf64_Ehdr eh;
+	size_t len;
+
+	if (pread(fd, &eh, sizeof(eh), 0) != (ssize_t)sizeof(eh) ||
+	    memcmp(eh.e_ident, ELFMAG, SELFMAG) ||
+	    eh.e_ident[EI_CLASS] != ELFCLASS64 ||
+	    eh.e_phentsize != sizeof(Elf64_Phdr))
+		return fail("%s: not a 64-bit ELF core", path);
+	len = (size_t)eh.e_phnum * sizeof(Elf64_Phdr);
+	*phdrs = malloc(len ? len : 1);
+	if (!*phdrs)
+		return fail("out of memory");
+	if (pread(fd, *phdrs, len, eh.e_phoff) != (ssize_t)len) {
+		free(*phdrs);
+		return fail("%s: cannot read program headers", path);
+	}
+	*count = eh.e_phnum;
+	return 0;
+}
+
+static int cmd_kcore_scan(int argc, char **argv)
+{
+	static uint64_t buf[IO_PAGES * PAGE_WORDS];
+	struct scan_result r = { 0 };
+	int64_t start = now_ns();
+	struct head_sig sig;
+	Elf64_Phdr *ph = NULL;
+	unsigned int n = 0, i;
+	const char *path;
+	uint64_t seed;
+	struct args a;
+	int fd, ret;
+
+	/* CORE is optional (a test file instead of /proc/kcore): odd argc. */
+	ret = parse_args(argc, argv, OPT_SEED, argc % 2, &a);
+	if (!ret)
+		ret = parse_seed(a.seed, &seed);
+	if (ret)
+		return ret;
+	path = a.npos ? a.pos[0] : KCORE_PATH;
+	head_sig_init(&sig, seed);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return fail("%s: %s", path, strerror(errno));
+	ret = read_headers(fd, path, &ph, &n);
+	if (ret) {
+		close(fd);
+		return ret;
+	}
+	for (i = 0; i < n; i++) {
+		if (!is_ram_segment(&ph[i]))
+			continue;
+		r.segments++;
+		scan_range(fd, ph[i].p_offset,
+			   ph[i].p_filesz & ~(PAGE_BYTES - 1), (char *)buf,
+			   &sig, &r);
+	}
+	free(ph);
+	close(fd);
+	if (!r.segments)
+		return fail("%s: no RAM segments", path);
+	printf("{\"pages_scanned\":%lu,\"matches\":%lu,\"unreadable\":%lu,"
+	       "\"segments\":%u,\"ms\":%.3f}\n",
+	       (unsigned long)r.pages, (unsigned long)r.matches,
+	       (unsigned long)r.unreadable, r.segments, ms_since(start));
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2) {
@@ -776,6 +979,8 @@ int main(int argc, char **argv)
 		return cmd_pattern(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "dirty"))
 		return cmd_dirty(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "kcore-scan"))
+		return cmd_kcore_scan(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
 		usage();
 		return 0;

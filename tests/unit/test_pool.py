@@ -1,0 +1,440 @@
+"""Warm pool logic: slot choice, state transitions, when to grow and shrink.
+
+Also the host-side checks the pool's guest tests rely on: the pattern
+signature (`pattern_pages`) and `thinvm-mem kcore-scan` against a fake
+ELF core whose segments and pages are known.
+"""
+
+import multiprocessing
+import os
+import shutil
+import struct
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from thinvm import pool
+from thinvm.paths import REPO
+from thinvm.pool import Action, Owner, Policy, PoolConfig, PoolState, Pressure, Slot
+from thinvm.units import GiB, MiB
+from thinvm.vm import VM, VMConfig
+
+# -- the guest pattern, recomputed on the host (guest/agent/mem.c) ----------
+
+MASK = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MUL1, MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+MAX_PATTERN_PAGES = 1 << 28  # MAX_MIB * PAGES_PER_MIB in mem.c
+PAGE = 4096
+
+
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * MUL1) & MASK
+    z = ((z ^ (z >> 27)) * MUL2) & MASK
+    return z ^ (z >> 31)
+
+
+def _unxorshift(y: int, s: int) -> int:
+    x = y
+    for i in range(s, 64, s):
+        x ^= y >> i
+    return x
+
+
+def _unmix(z: int) -> int:
+    z = (_unxorshift(z, 31) * pow(MUL2, -1, 1 << 64)) & MASK
+    z = (_unxorshift(z, 27) * pow(MUL1, -1, 1 << 64)) & MASK
+    return _unxorshift(z, 30)
+
+
+def pattern_page(seed: int, index: int) -> bytes:
+    """Page `index` of `thinvm-mem pattern write ... --seed seed`."""
+    base = _mix((_mix((seed + GOLDEN) & MASK) + index * GOLDEN) & MASK)
+    return struct.pack("<512Q", *((base ^ ((i * GOLDEN) & MASK)) for i in range(512)))
+
+
+def is_pattern_head(head: bytes, seed: int) -> bool:
+    """kcore-scan's test: the first 64 bytes of a pattern page of any index."""
+    w = struct.unpack("<8Q", head[:64])
+    if any(w[i] != w[0] ^ ((i * GOLDEN) & MASK) for i in range(1, 8)):
+        return False
+    index = ((_unmix(w[0]) - _mix((seed + GOLDEN) & MASK)) * pow(GOLDEN, -1, 1 << 64)) & MASK
+    return index < MAX_PATTERN_PAGES
+
+
+def pattern_pages(path: str, seed: int) -> int:
+    """Pages of a file (a slot) that hold a page of the guest's pattern."""
+    count = 0
+    second = struct.Struct("<QQ")
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(16 * MiB):
+            for off in range(0, len(chunk), PAGE):
+                w0, w1 = second.unpack_from(chunk, off)
+                if w1 == w0 ^ GOLDEN and is_pattern_head(chunk[off : off + 64], seed):
+                    count += 1
+    return count
+
+
+def test_signature_matches_pattern_pages_only() -> None:
+    assert is_pattern_head(pattern_page(7, 0), 7)
+    assert is_pattern_head(pattern_page(7, 123456), 7)
+    assert not is_pattern_head(pattern_page(8, 5), 7)
+    assert not is_pattern_head(bytes(PAGE), 7)
+    broken = bytearray(pattern_page(7, 3))
+    broken[24] ^= 1
+    assert not is_pattern_head(bytes(broken), 7)
+    # An index past any pattern file is some other data that happens to fit.
+    assert not is_pattern_head(pattern_page(7, MAX_PATTERN_PAGES + 5), 7)
+
+
+# -- kcore-scan against a fake core ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinvm_mem(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("agent")
+    subprocess.run(
+        ["make", "-s", "-C", str(REPO / "guest" / "agent"), f"O={out}", f"{out}/thinvm-mem"],
+        check=True,
+    )
+    return out / "thinvm-mem"
+
+
+def _fake_core(path: Path, segments: list[tuple[int, int, list[bytes]]]) -> None:
+    """An ELF64 core like /proc/kcore: (vaddr, paddr, pages) per PT_LOAD."""
+    data_off = PAGE
+    phdrs, data = b"", b""
+    for vaddr, paddr, pages in segments:
+        blob = b"".join(pages)
+        phdrs += struct.pack(
+            "<IIQQQQQQ", 1, 7, data_off + len(data), vaddr, paddr, len(blob), len(blob), PAGE
+        )
+        data += blob
+    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    ehdr = ident + struct.pack(
+        "<HHIQQQIHHHHHH", 4, 62, 1, 0, 64, 0, 0, 64, 56, len(segments), 0, 0, 0
+    )
+    head = ehdr + phdrs
+    path.write_bytes(head + bytes(data_off - len(head)) + data)
+
+
+def test_kcore_scan_counts_pattern_pages_in_ram_segments(thinvm_mem: Path, tmp_path: Path) -> None:
+    seed = 7
+    broken = bytearray(pattern_page(seed, 3))
+    broken[40] ^= 0xFF
+    ram = [
+        pattern_page(seed, 0),
+        bytes(PAGE),
+        pattern_page(seed, 1_000_000),
+        pattern_page(8, 5),  # another seed
+        bytes(broken),  # changed within the first 64 bytes
+        pattern_page(seed, 9),
+    ]
+    core = tmp_path / "core"
+    _fake_core(
+        core,
+        [
+            (0xFFFF888000000000, 0, ram),
+            # The kernel image's alias of RAM and a vmalloc area: not scanned.
+            (0xFFFFFFFF81000000, 0x1000000, [pattern_page(seed, 10)]),
+            (0xFFFFC90000000000, MASK, [pattern_page(seed, 11)]),
+        ],
+    )
+    result = subprocess.run(
+        [str(thinvm_mem), "kcore-scan", str(core), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert '"pages_scanned":6,"matches":3,"unreadable":0,"segments":1' in result.stdout
+    other = subprocess.run(
+        [str(thinvm_mem), "kcore-scan", str(core), "--seed", "8"], capture_output=True, text=True
+    )
+    assert '"matches":1,' in other.stdout
+    assert pattern_pages(str(core), seed) == 3 + 2  # the file, unlike the scan, has all
+
+
+def test_kcore_scan_rejects_a_non_core(thinvm_mem: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.write_bytes(bytes(PAGE))
+    result = subprocess.run(
+        [str(thinvm_mem), "kcore-scan", str(junk), "--seed", "1"], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "not a 64-bit ELF core" in result.stderr
+    usage = subprocess.run([str(thinvm_mem), "kcore-scan"], capture_output=True, text=True)
+    assert usage.returncode == 2
+
+
+# -- slot choice and leases --------------------------------------------------
+
+
+def _slots(*specs: tuple[int, str]) -> list[Slot]:
+    return [Slot(i, size, f"/x/slot-{i}.mem", state) for i, (size, state) in enumerate(specs)]
+
+
+def _state(slots: list[Slot], page_size: int = PAGE) -> PoolState:
+    config = PoolConfig("tmpfs", "/x", page_size, Policy(budget=sum(s.size for s in slots)))
+    return PoolState(config, slots)
+
+
+def test_choose_slot_takes_the_smallest_free_slot_that_fits() -> None:
+    slots = _slots((8 * GiB, "free"), (4 * GiB, "leased"), (4 * GiB, "free"), (4 * GiB, "free"))
+    assert pool.choose_slot(slots, 4 * GiB) == slots[2]
+    assert pool.choose_slot(slots, 2 * GiB) == slots[2]
+    assert pool.choose_slot(slots, 6 * GiB) == slots[0]
+    assert pool.choose_slot(slots, 16 * GiB) is None
+
+
+def test_only_free_slots_are_leased() -> None:
+    for state in ("empty", "filling", "leased", "dirty", "scrubbing"):
+        assert pool.choose_slot(_slots((GiB, state)), GiB) is None
+
+
+def test_shortage_says_why() -> None:
+    assert "has no slots" in pool.shortage([], GiB)
+    assert "largest is 2.00 GiB" in pool.shortage(_slots((2 * GiB, "free")), 4 * GiB)
+    text = pool.shortage(_slots((4 * GiB, "leased"), (4 * GiB, "dirty")), 4 * GiB)
+    assert "1 dirty, 1 leased" in text
+
+
+def test_lease_bind_release_cycle() -> None:
+    st = _state(_slots((GiB, "free"), (GiB, "free")))
+    me, qemu = Owner(100, 1), Owner(200, 2)
+    slot = pool.take(st, GiB, me, "vm1", "tok1")
+    assert (slot.index, slot.state, slot.owner, slot.vm, slot.leases) == (0, "leased", me, "vm1", 1)
+    assert not pool.bind(st, 0, "wrong", qemu)
+    assert pool.bind(st, 0, "tok1", qemu)
+    assert st.slots[0].owner == qemu
+    second = pool.take(st, GiB, me, "vm2", "tok2")
+    assert second.index == 1
+    with pytest.raises(pool.PoolEmpty, match="2 leased"):
+        pool.take(st, GiB, me, "vm3", "tok3")
+    released = pool.release(st, pid=200)  # detached VM: found by its QEMU pid
+    assert released is not None and released.index == 0 and released.state == "dirty"
+    assert released.owner is None and released.token == ""
+    assert pool.release(st, pid=200) is None  # idempotent
+    assert pool.release(st, token="tok2") is st.slots[1]
+    assert [s.state for s in st.slots] == ["dirty", "dirty"]
+
+
+def test_take_refuses_memory_that_is_not_whole_huge_pages() -> None:
+    st = _state(_slots((GiB, "free")), page_size=2 * MiB)
+    with pytest.raises(pool.PoolEmpty, match="not a multiple"):
+        pool.take(st, GiB - 4096, Owner(1, 1), "vm", "t")
+
+
+def test_reap_makes_slots_of_dead_owners_dirty() -> None:
+    slots = _slots((GiB, "leased"), (GiB, "filling"), (GiB, "scrubbing"), (GiB, "leased"))
+    dead, live = Owner(1, 1), Owner(2, 2)
+    for slot, owner in zip(slots, (dead, dead, dead, live), strict=True):
+        slot.owner = owner
+    st = _state(slots)
+    st.daemon = dead
+    reaped = pool.reap(st, lambda o: o == live)
+    assert [s.index for s in reaped] == [0, 1, 2]
+    assert [s.state for s in slots] == ["dirty", "dirty", "dirty", "leased"]
+    assert st.daemon is None
+
+
+def test_state_round_trips_through_json() -> None:
+    st = _state(_slots((GiB, "leased"), (GiB, "free")))
+    st.slots[0].owner = Owner(5, 6)
+    st.daemon = Owner(7, 8)
+    st.hugepages_added = 3
+    again = PoolState.from_json(st.to_json())
+    assert again == st
+
+
+# -- when to grow and shrink -------------------------------------------------
+
+CALM = Pressure(mem_available=20 * GiB, psi_some_avg10=0.0)
+
+
+def _policy(budget: int = 8 * GiB, watermark: int = 2 * GiB) -> Policy:
+    return Policy(budget=budget, watermark=watermark, psi_threshold=10.0)
+
+
+def test_parse_psi() -> None:
+    text = "some avg10=12.50 avg60=1.00 avg300=0.00 total=9\nfull avg10=3.00 avg60=0 total=1\n"
+    assert pool.parse_psi(text) == 12.5
+    assert pool.parse_psi("") is None
+
+
+def test_pressure_from_psi_or_watermark() -> None:
+    policy = _policy()
+    assert pool.pressure_reason(CALM, policy) is None
+    assert "PSI" in (pool.pressure_reason(Pressure(20 * GiB, 10.5), policy) or "")
+    assert pool.pressure_reason(Pressure(20 * GiB, 10.0), policy) is None  # above, not at
+    assert "watermark" in (pool.pressure_reason(Pressure(GiB, None), policy) or "")
+    assert pool.pressure_reason(Pressure(3 * GiB, None), policy) is None  # no PSI: watermark
+
+
+def test_growth_needs_budget_and_room_above_the_watermark() -> None:
+    policy = _policy(budget=6 * GiB, watermark=2 * GiB)
+    assert pool.growth_block(CALM, policy, held=2 * GiB, cost=4 * GiB) is None
+    assert "budget" in (pool.growth_block(CALM, policy, held=3 * GiB, cost=4 * GiB) or "")
+    tight = Pressure(mem_available=5 * GiB, psi_some_avg10=0.0)
+    assert "MemAvailable" in (pool.growth_block(tight, policy, held=0, cost=4 * GiB) or "")
+    # Huge pages the kernel holds already cost the host nothing more.
+    assert pool.growth_block(tight, policy, held=0, cost=4 * GiB, spare=2 * GiB) is None
+
+
+def test_decide_scrubs_dirty_slots_before_filling() -> None:
+    slots = _slots((GiB, "empty"), (GiB, "dirty"), (GiB, "free"))
+    held = {0: 0, 1: GiB, 2: GiB}
+    assert pool.decide(slots, held, CALM, _policy()) == Action("scrub", 1, "released by its VM")
+
+
+def test_decide_fills_empty_slots_in_order_within_budget() -> None:
+    slots = _slots((GiB, "free"), (GiB, "empty"), (GiB, "empty"))
+    held = {0: GiB, 1: 0, 2: 0}
+    assert pool.decide(slots, held, CALM, _policy()).index == 1
+    over = pool.decide(slots, held, CALM, _policy(budget=int(1.5 * GiB)))
+    assert over.kind == "idle" and "budget" in over.reason
+    cooling = pool.decide(slots, held, CALM, _policy(), cooling=True)
+    assert cooling.kind == "idle" and "cooling" in cooling.reason
+
+
+def test_decide_under_pressure_gives_back_the_least_useful_slot() -> None:
+    slots = _slots((GiB, "free"), (GiB, "free"), (GiB, "empty"), (GiB, "dirty"), (GiB, "leased"))
+    held = {0: GiB, 1: GiB, 2: 64 * MiB, 3: GiB, 4: GiB}
+    hot = Pressure(mem_available=20 * GiB, psi_some_avg10=50.0)
+    order = []
+    for _ in range(4):
+        action = pool.decide(slots, held, hot, _policy())
+        assert action.kind == "shrink" and action.index is not None
+        order.append(action.index)
+        slots[action.index].state, held[action.index] = "empty", 0
+    assert order == [3, 2, 1, 0]  # dirty, partly filled, then free from the top
+    last = pool.decide(slots, held, hot, _policy())
+    assert last.kind == "idle" and "nothing left" in last.reason  # leased slots stay
+
+
+def test_decide_shrinks_when_over_budget() -> None:
+    slots = _slots((GiB, "free"), (GiB, "free"))
+    action = pool.decide(slots, {0: GiB, 1: GiB}, CALM, _policy(budget=GiB))
+    assert action == Action("shrink", 1, action.reason) and "over the budget" in action.reason
+
+
+def test_decide_is_idle_when_all_slots_are_free() -> None:
+    slots = _slots((GiB, "free"))
+    assert pool.decide(slots, {0: GiB}, CALM, _policy()).reason == "all slots filled"
+
+
+# -- the VM command line -----------------------------------------------------
+
+
+def _lease(path: str) -> pool.Lease:
+    return pool.Lease(Path("/x"), 0, path, 4 * GiB, "hugetlbfs", 2 * MiB, "t")
+
+
+def test_pool_backed_vm_maps_its_slot_shared_and_preallocated() -> None:
+    vm = VM(VMConfig(memory=4 * GiB, pool="/x"))
+    vm.pool_lease = _lease("/dev/hugepages/thinvm-pool/slot-0.mem")
+    args = vm._memory_backend_args()
+    assert args == [
+        "-object",
+        "memory-backend-file,id=mem0,size=4294967296,"
+        "mem-path=/dev/hugepages/thinvm-pool/slot-0.mem,share=on,"
+        "prealloc=on,prealloc-threads=1",
+    ]
+    shutil.rmtree(vm.rundir)
+
+
+def test_pool_backed_vm_without_a_slot_preallocates_anonymous_ram() -> None:
+    vm = VM(VMConfig(memory=4 * GiB, pool="/x", prealloc_threads=2))
+    args = vm._memory_backend_args()
+    assert args[1] == "memory-backend-ram,id=mem0,size=4294967296,prealloc=on,prealloc-threads=2"
+    shutil.rmtree(vm.rundir)
+
+
+# -- a real (small, tmpfs) pool on disk --------------------------------------
+
+
+@pytest.fixture
+def small_pool(tmp_path: Path) -> Iterator[Path]:
+    """Three 4 MiB tmpfs slots, filled in this process, no cgroup."""
+    if not os.path.isdir(pool.TMPFS_DIR):
+        pytest.skip(f"no {pool.TMPFS_DIR}")
+    root = tmp_path / f"pool-unit-{os.getpid()}"
+    files = Path(pool.TMPFS_DIR) / f"thinvm-unit-{os.getpid()}"
+    files.mkdir()
+    spec = pool.PoolSpec(
+        slots=[4 * MiB] * 3, kind="tmpfs", directory=str(files), watermark=0, cgroup=False
+    )
+    pool.configure(root, spec)
+    worker = pool.Worker(pool.Pool(root), threading.Event())
+    while worker.step().kind != "idle":
+        pass
+    yield root
+    pool.stop(root, force=True)
+    shutil.rmtree(files, ignore_errors=True)
+
+
+def test_filled_slots_are_zero_and_fully_allocated(small_pool: Path) -> None:
+    st = pool.status(small_pool)
+    assert [s.state for s in st.slots] == ["free"] * 3
+    for slot in pool.Pool(small_pool).read().slots:
+        assert pool.allocated(slot.path) == slot.size
+        assert pool.is_zero(slot.path)
+
+
+def _lease_in_child(root: str, queue: "multiprocessing.Queue[object]") -> None:
+    try:
+        lease = pool.acquire(root, 4 * MiB, f"vm{os.getpid()}")
+        queue.put(lease.index)
+    except pool.PoolEmpty:
+        queue.put(None)
+
+
+def test_concurrent_leases_never_share_a_slot(small_pool: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[object] = ctx.Queue()
+    procs = [ctx.Process(target=_lease_in_child, args=(str(small_pool), queue)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join()
+    taken = sorted(r for r in results if isinstance(r, int))
+    assert taken == [0, 1, 2]
+    assert results.count(None) == 5
+
+
+def test_released_slot_is_scrubbed_before_it_is_free_again(small_pool: Path) -> None:
+    lease = pool.acquire(small_pool, 4 * MiB, "vm")
+    with open(lease.path, "r+b") as f:
+        f.write(pattern_page(3, 0) * 16)
+    assert pattern_pages(lease.path, 3) == 16
+    with pool.Pool(small_pool).locked() as state:  # released without kicking a worker
+        assert pool.release(state, token=lease.token) is not None
+    assert pool.acquire(small_pool, 4 * MiB, "vm2").index != lease.index  # dirty: not leased
+    worker = pool.Worker(pool.Pool(small_pool), threading.Event())
+    assert worker.step().kind == "scrub"
+    assert pool.allocated(lease.path) == 0
+    assert worker.step().kind == "fill"
+    assert pool.is_zero(lease.path) and pattern_pages(lease.path, 3) == 0
+    assert pool.Pool(small_pool).read().slots[lease.index].state == "free"
+
+
+def test_scrub_refuses_a_file_someone_still_has_open(small_pool: Path) -> None:
+    lease = pool.acquire(small_pool, 4 * MiB, "vm")
+    with pool.Pool(small_pool).locked() as state:
+        pool.release(state, token=lease.token)
+    with open(lease.path, "rb") as f:
+        holder = subprocess.Popen(["sleep", "60"], stdin=f)
+    try:
+        worker = pool.Worker(pool.Pool(small_pool), threading.Event())
+        action = worker.step()
+        assert action.kind == "idle" and "still open" in action.reason
+        assert pool.Pool(small_pool).read().slots[lease.index].state == "dirty"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert pool.Worker(pool.Pool(small_pool), threading.Event()).step().kind == "scrub"
