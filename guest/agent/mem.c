@@ -82,14 +82,19 @@ static void usage(void)
 		prog, prog, prog, prog, prog, prog, prog);
 }
 
+static void vreport(const char *fmt, va_list ap)
+{
+	fprintf(stderr, "%s: ", prog);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+}
+
 static int usage_error(const char *fmt, ...)
 {
 	va_list ap;
 
 	va_start(ap, fmt);
-	fprintf(stderr, "%s: ", prog);
-	vfprintf(stderr, fmt, ap);
-	fputc('\n', stderr);
+	vreport(fmt, ap);
 	va_end(ap);
 	usage();
 	return EXIT_USAGE;
@@ -100,9 +105,7 @@ static int fail(const char *fmt, ...)
 	va_list ap;
 
 	va_start(ap, fmt);
-	fprintf(stderr, "%s: ", prog);
-	vfprintf(stderr, fmt, ap);
-	fputc('\n', stderr);
+	vreport(fmt, ap);
 	va_end(ap);
 	return EXIT_FAILED;
 }

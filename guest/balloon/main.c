@@ -224,6 +224,18 @@ void tb_account(struct thinvm_balloon *tb, struct page *page, long n)
 		adjust_managed_page_count(page, n);
 }
 
+/* Give deflated single pages back to the guest, after the device saw them. */
+void tb_release_pages(struct thinvm_balloon *tb, struct list_head *pages)
+{
+	struct page *page, *next;
+
+	list_for_each_entry_safe(page, next, pages, lru) {
+		list_del(&page->lru);
+		tb_account(tb, page, 1);
+		put_page(page);
+	}
+}
+
 /*
  * Move up to @want balloon pages (at most one request's worth) from the
  * guest into the balloon.  Returns the number moved; *@stuck is set when
@@ -290,7 +302,7 @@ unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want,
 			bool whole_blocks, bool *stuck)
 {
 	unsigned int npfns = 0;
-	struct page *page, *next;
+	struct page *page;
 	LIST_HEAD(pages);
 
 	if (tb_has(tb, VIRTIO_BALLOON_F_RANGES))
@@ -321,11 +333,7 @@ unsigned int tb_deflate(struct thinvm_balloon *tb, unsigned int want,
 	tb_count(TB_DEFLATED_TOTAL, npfns);
 	tb_count(TB_INFLATED_PAGES, -(long)npfns);
 
-	list_for_each_entry_safe(page, next, &pages, lru) {
-		list_del(&page->lru);
-		tb_account(tb, page, 1);
-		put_page(page);
-	}
+	tb_release_pages(tb, &pages);
 out:
 	mutex_unlock(&tb->lock);
 	if (stuck)

@@ -438,11 +438,7 @@ unsigned int tb_ranges_deflate(struct thinvm_balloon *tb, unsigned int want,
 		list_del(&page->lru);
 		tb_free_whole(tb, page);
 	}
-	list_for_each_entry_safe(page, next, &pages, lru) {
-		list_del(&page->lru);
-		tb_account(tb, page, 1);
-		put_page(page);
-	}
+	tb_release_pages(tb, &pages);
 out:
 	mutex_unlock(&tb->lock);
 	if (stuck)

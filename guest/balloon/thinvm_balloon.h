@@ -180,6 +180,7 @@ void tb_update_actual(struct thinvm_balloon *tb);
 int tb_send(struct thinvm_balloon *tb, struct virtqueue *vq, void *buf,
 	    unsigned int len);
 void tb_account(struct thinvm_balloon *tb, struct page *page, long n);
+void tb_release_pages(struct thinvm_balloon *tb, struct list_head *pages);
 
 /* stats.c */
 void tb_stats_request(struct virtqueue *vq);

@@ -15,7 +15,7 @@ from thinvm import balloon, migrate, workload
 from thinvm.agent import AgentClient
 from thinvm.paths import REPO
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import BalloonOptions, VMConfig
+from thinvm.vm import VM, BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 
@@ -39,6 +39,19 @@ def counters(agent: AgentClient) -> dict[str, int]:
     return values
 
 
+def inflate_touched(vm: VM, inflate: int) -> tuple[dict[str, int], int]:
+    """Back all free guest memory on the host, then inflate by `inflate`.
+
+    Returns the driver's counters and how far host RSS fell.
+    """
+    memory = vm.config.memory
+    workload.touch_free_memory(vm.agent)
+    rss_before = vm.host_memory().rss
+    balloon.set_target(vm, memory - inflate)
+    balloon.wait_actual(vm, memory - inflate)
+    return counters(vm.agent), rss_before - vm.host_memory().rss
+
+
 def test_our_driver_is_the_one_bound(make_vm: VMFactory) -> None:
     vm = make_vm(ours("drv-bound", 512 * MiB))
     modules = vm.agent.check("cat /proc/modules").stdout
@@ -52,16 +65,10 @@ def test_inflate_deflate_counts_rss_and_unload(make_vm: VMFactory) -> None:
     memory = 2 * GiB
     vm = make_vm(ours("drv-inflate", memory))
     before = workload.meminfo(vm.agent)
-    workload.touch_free_memory(vm.agent)
-    rss_before = vm.host_memory().rss
-
     inflate = 512 * MiB
-    balloon.set_target(vm, memory - inflate)
-    balloon.wait_actual(vm, memory - inflate)
-    c = counters(vm.agent)
+    c, dropped = inflate_touched(vm, inflate)
     assert c["inflated_pages"] == inflate // PAGE
     assert c["inflate_requests"] == inflate // PAGE // 256  # 256 PFNs per request
-    dropped = rss_before - vm.host_memory().rss
     assert dropped >= 0.9 * inflate, f"host RSS dropped by only {format_size(dropped)}"
     # Without deflate-on-OOM ballooned memory leaves MemTotal.
     assert workload.meminfo(vm.agent)["MemTotal"] == before["MemTotal"] - inflate
@@ -180,12 +187,8 @@ def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None
     config.build = "patched"
     config.extra_args = ["-global", "virtio-balloon-pci.ranges=on"]
     vm = make_vm(config)
-    workload.touch_free_memory(vm.agent)
-    rss_before = vm.host_memory().rss
     inflate = 1 * GiB
-    balloon.set_target(vm, memory - inflate)
-    balloon.wait_actual(vm, memory - inflate)
-    c = counters(vm.agent)
+    c, dropped = inflate_touched(vm, inflate)
     assert c["inflated_pages"] == inflate // PAGE
     assert c["huge_blocks"] > 0  # the device offered its 2 MiB THP granule
     assert 0 < c["range_requests"] <= 8  # 1 GiB in a handful of round trips
@@ -195,7 +198,6 @@ def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None
     discards = vm.qmp("qom-get", path=device, property="range-discards")
     assert 0 < discards <= 512  # per GiB, the issue's bound
     assert vm.qmp("qom-get", path=device, property="guest-errors") == 0
-    dropped = rss_before - vm.host_memory().rss
     assert dropped >= 0.9 * inflate, f"host RSS dropped by only {format_size(dropped)}"
 
     balloon.set_target(vm, memory)
