@@ -190,8 +190,9 @@ build_one() {
 	local flavour=$1 tree build targets=qemu-system-x86_64
 	tree=$(prepare_tree "$flavour")
 	build=$(configure_build "$flavour" "$tree")
-	# The patched build also carries our device tests (qemu/run-qtests.sh).
-	[ "$flavour" = patched ] && targets="$targets tests/qtest/qos-test"
+	# The patched build also carries our qtests (qemu/run-qtests.sh).
+	[ "$flavour" = patched ] &&
+		targets="$targets tests/qtest/qos-test tests/qtest/migration-test"
 	log "building $flavour ($(nproc) jobs)"
 	ninja -C "$build" -j"$(nproc)" $targets >&2 ||
 		die "$flavour build failed"

@@ -55,7 +55,9 @@ setup_venv() {
 # sure it is this one.
 point_venv_here() {
 	local where
-	where=$("$venv/bin/python3" -c 'import thinvm, os; print(os.path.dirname(os.path.dirname(thinvm.__file__)))')
+	# From /: python would otherwise import ./thinvm and see no difference.
+	where=$(cd / && "$venv/bin/python3" -c \
+		'import thinvm, os; print(os.path.dirname(os.path.dirname(thinvm.__file__)))')
 	if [ "$where" != "$top" ]; then
 		"$venv/bin/pip" install -q --no-deps -e "$top" >&2
 	fi

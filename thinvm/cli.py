@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from thinvm import balloon, builds, migrate, pool
+from thinvm import accel, balloon, builds, migrate, pool
 from thinvm.errors import ThinvmError
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
@@ -86,6 +86,16 @@ def cmd_version(args: argparse.Namespace) -> int:
         except ThinvmError as exc:
             info = {"flavour": flavour, "error": str(exc)}
         print(json.dumps(info) if args.json else _format_build(info))
+    return 0
+
+
+def cmd_accel(args: argparse.Namespace) -> int:
+    """Print the accelerator `--accel auto` picks (first call runs the probe)."""
+    result = accel.probe_cached(builds.find_build(args.build))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["choice"])
     return 0
 
 
@@ -388,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("version", help="QEMU builds and their patch hashes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser("accel", help="the accelerator --accel auto picks, from a timed probe")
+    p.add_argument("--build", default="patched", choices=builds.FLAVOURS)
+    p.add_argument("--json", action="store_true", help="also the probe's timings")
+    p.set_defaults(func=cmd_accel)
 
     p = sub.add_parser("up", help="start a VM in the background")
     p.add_argument("--name", default="thinvm")

@@ -405,6 +405,7 @@ def test_scale_sizes() -> None:
     assert bench_scenarios.scale_sizes(8 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB]
     assert bench_scenarios.scale_sizes(16 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB, 16 * GiB]
     assert bench_scenarios.scale_sizes(1 * GiB) == [1 * GiB]
+    assert bench_scenarios.scale_sizes(64 * GiB, 4 * GiB) == [4 * GiB << i for i in range(5)]
 
 
 def test_scenario_params_are_checked() -> None:
