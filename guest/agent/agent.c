@@ -45,6 +45,15 @@
 /* How long to sleep when the host side is closed and no SIGIO arrives. */
 #define HOST_WAIT_MS		1000
 #define PORT_RETRY_MS		200
+
+/*
+ * The host's "port open" and its request travel on different virtqueues,
+ * and the guest driver handles them in different contexts: the request can
+ * reach us while the driver still believes the host is away.  A reply that
+ * finds the port closed waits this long for the state to catch up before
+ * it is dropped.
+ */
+#define REPLY_GRACE_MS		2000
 #define PORT_LOG_EVERY_MS	60000
 
 struct buf {
@@ -253,15 +262,55 @@ static bool input_pending(const struct agent *a)
  * (e.g. the fd is not a virtio port).  SIGIO stays blocked all the time,
  * so one sent between the failed read and this wait is not lost.
  */
-static void wait_for_host(void)
+static void wait_for_host_ms(long ms)
 {
-	struct timespec ts = { HOST_WAIT_MS / 1000,
-			       (HOST_WAIT_MS % 1000) * 1000000L };
+	struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
 	sigset_t set;
 
 	sigemptyset(&set);
 	sigaddset(&set, SIGIO);
 	sigtimedwait(&set, NULL, &ts);
+}
+
+static void wait_for_host(void)
+{
+	wait_for_host_ms(HOST_WAIT_MS);
+}
+
+/* Count dropped replies; log the first few and then every 100th. */
+static void note_reply_dropped(void)
+{
+	static unsigned long dropped;
+
+	dropped++;
+	if (dropped <= 3 || dropped % 100 == 0)
+		log_msg("host closed the port: reply dropped (%lu so far)",
+			dropped);
+}
+
+/*
+ * Wait until the port can take more data.  Returns 0 when it can, -1 when
+ * the host is gone: still closed REPLY_GRACE_MS after the first sign.
+ */
+static int wait_port_writable(struct agent *a, long long *closed_since)
+{
+	struct pollfd pfd = { .fd = a->fd, .events = POLLOUT };
+
+	if (poll(&pfd, 1, *closed_since ? PORT_RETRY_MS : -1) < 0)
+		return errno == EINTR ? 0 : -1;
+	if (pfd.revents & POLLOUT) {
+		*closed_since = 0;
+		return 0;
+	}
+	if (!(pfd.revents & (POLLHUP | POLLERR)))
+		return 0;
+	if (!*closed_since)
+		*closed_since = now_ms();
+	else if (now_ms() - *closed_since >= REPLY_GRACE_MS)
+		return -1;
+	/* POLLHUP is level-triggered: sleep until the state changes. */
+	wait_for_host_ms(PORT_RETRY_MS);
+	return 0;
 }
 
 /*
@@ -271,7 +320,7 @@ static void wait_for_host(void)
 static int port_write(struct agent *a, const void *buf, size_t len)
 {
 	const char *p = buf;
-	struct pollfd pfd = { .fd = a->fd, .events = POLLOUT };
+	long long closed_since = 0;
 	ssize_t n;
 
 	while (len) {
@@ -285,11 +334,10 @@ static int port_write(struct agent *a, const void *buf, size_t len)
 			continue;
 		if (n < 0 && errno != EAGAIN)
 			return -1;
-		if (poll(&pfd, 1, -1) < 0 && errno != EINTR)
+		if (wait_port_writable(a, &closed_since) < 0) {
+			note_reply_dropped();
 			return -1;
-		if ((pfd.revents & (POLLHUP | POLLERR)) &&
-		    !(pfd.revents & POLLOUT))
-			return -1;
+		}
 	}
 	return 0;
 }

@@ -1,5 +1,6 @@
 """The thinvm command end to end: up, status, balloon, exec, migrate, down."""
 
+import json
 import subprocess
 import sys
 
@@ -26,6 +27,15 @@ def test_version_reports_both_builds() -> None:
     assert lines[0].startswith("stock") and "thinvm-stock" in out
     assert lines[1].startswith("patched") and "thinvm-patched" in out
     assert "patch-hash" in lines[0] and "patch-hash" in lines[1]
+
+
+def test_accel_reports_the_probe_verdict() -> None:
+    assert thinvm("accel").stdout.strip() in ("tcg", "kvm")
+    probe = json.loads(thinvm("accel", "--build", "stock", "--json").stdout)
+    assert probe["choice"] in ("tcg", "kvm") and probe["tcg_seconds"] > 0
+    # KVM is chosen only when it beat TCG in the probe.
+    if probe["choice"] == "kvm":
+        assert probe["kvm_seconds"] is not None and probe["kvm_seconds"] < probe["tcg_seconds"]
 
 
 def test_bad_input_gets_clear_errors_and_no_process() -> None:
