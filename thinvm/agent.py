@@ -99,7 +99,8 @@ class AgentClient:
         deadline = start + timeout
         while time.monotonic() < deadline:
             try:
-                if self.ping(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                # Longer than the agent's 2 s reply grace (docs/protocol/agent.md).
+                if self.ping(timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
                     return time.monotonic() - start
             except GuestError:
                 pass
