@@ -54,10 +54,12 @@ class Stack:
     reporting: bool = False
     sparse: bool = False  # the sparse-ram migration capability (patched QEMU)
     ranges: bool = False  # VIRTIO_BALLOON_F_RANGES offered (patched QEMU)
+    multifd: bool = False  # multifd migration, QEMU's default 2 channels
 
     @property
     def caps(self) -> dict[str, bool]:
-        return {"sparse-ram": True} if self.sparse else {}
+        caps = {"sparse-ram": True} if self.sparse else {}
+        return {**caps, "multifd": True} if self.multifd else caps
 
 
 def stack_config(opts: BenchOptions, name: str, memory: int, stack: Stack, **kw: Any) -> VMConfig:
@@ -366,6 +368,11 @@ IDLE_VARIANTS = [
         "sparse+hint+report",
         dataclasses.replace(SPARSE, hint=True, reporting=True),
         "sparse-ram + free-page-hint + free-page-reporting",
+    ),
+    (
+        "sparse+hint+report+multifd",
+        dataclasses.replace(SPARSE, hint=True, reporting=True, multifd=True),
+        "the same over multifd (2 channels)",
     ),
 ]
 

@@ -429,3 +429,10 @@ def test_every_scenario_builds_with_defaults() -> None:
         assert len(scenario.variants) >= 2
         assert len({v.name for v in scenario.variants}) == len(scenario.variants)
         assert scenario.description and scenario.title
+
+
+def test_stack_capabilities() -> None:
+    Stack = bench_scenarios.Stack
+    assert Stack().caps == {}
+    assert Stack(sparse=True).caps == {"sparse-ram": True}
+    assert Stack(sparse=True, multifd=True).caps == {"sparse-ram": True, "multifd": True}
