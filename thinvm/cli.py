@@ -259,7 +259,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from thinvm import demo
 
-    return demo.run(build=args.build, memory=parse_size(args.memory))
+    return demo.run(memory=parse_size(args.memory))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -445,8 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_exec)
 
-    p = sub.add_parser("demo", help="the flagship scenario, end to end")
-    p.add_argument("--build", default="stock")
+    p = sub.add_parser("demo", help="the flagship scenario on the stock and the thinvm stack")
     p.add_argument("--memory", default="2G")
     p.set_defaults(func=cmd_demo)
 
