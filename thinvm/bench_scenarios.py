@@ -31,6 +31,7 @@ from thinvm.bench_probe import (
 from thinvm.bench_report import CatalogueEntry
 from thinvm.errors import ThinvmError
 from thinvm.hostmem import host_meminfo
+from thinvm.stack import Stack
 from thinvm.units import GiB, MiB, format_size, parse_size
 from thinvm.vm import VM, BalloonOptions, VMConfig
 
@@ -44,30 +45,14 @@ MIGRATION_PORT = 4444  # inside the private destination namespace
 # -- helpers -------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """The parts one variant runs: QEMU build, guest driver, features."""
-
-    build: str = "stock"
-    driver: str = "stock"
-    hint: bool = False
-    reporting: bool = False
-    sparse: bool = False  # the sparse-ram migration capability (patched QEMU)
-    ranges: bool = False  # VIRTIO_BALLOON_F_RANGES offered (patched QEMU)
-    multifd: bool = False  # multifd migration, QEMU's default 2 channels
-
-    @property
-    def caps(self) -> dict[str, bool]:
-        caps = {"sparse-ram": True} if self.sparse else {}
-        return {**caps, "multifd": True} if self.multifd else caps
+LEGACY = Stack()  # stock QEMU and driver, no extras
 
 
 def stack_config(opts: BenchOptions, name: str, memory: int, stack: Stack, **kw: Any) -> VMConfig:
     """guest_config() with the build, driver and features of `stack`."""
-    config = guest_config(opts, name, memory, hint=stack.hint, reporting=stack.reporting, **kw)
+    config = guest_config(opts, name, memory, **kw)
     config.build, config.guest_driver = stack.build, stack.driver
-    if stack.ranges:
-        config.extra_args = [*config.extra_args, "-global", "virtio-balloon-pci.ranges=on"]
+    config.balloon = stack.balloon()
     return config
 
 
@@ -248,7 +233,7 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     if init_on_alloc not in ("0", "1"):
         raise ThinvmError(f"--param init_on_alloc={init_on_alloc}: want 0 or 1")
 
-    def variant(touched: bool, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
+    def variant(touched: bool, stack: Stack = LEGACY) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             metrics: Metrics = {}
             config = stack_config(opts, "b-inflate", size, stack)
@@ -360,7 +345,7 @@ def idle_migration(
 
 SPARSE = Stack(build="patched", sparse=True)
 IDLE_VARIANTS = [
-    ("legacy", Stack(), "stock QEMU, no hinting"),
+    ("legacy", LEGACY, "stock QEMU, no hinting"),
     ("free-page-hint", Stack(hint=True), "stock QEMU, free-page-hint=on"),
     ("sparse", SPARSE, "patched QEMU, sparse-ram"),
     ("sparse+hint", dataclasses.replace(SPARSE, hint=True), "sparse-ram + free-page-hint"),
@@ -472,8 +457,8 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
             "so the longest slice shows CPU starvation, not the downtime itself."
         ),
         variants=[
-            Variant("no-migration", variant(False, Stack()), "the workload alone"),
-            Variant("legacy", variant(True, Stack()), "migration without hinting"),
+            Variant("no-migration", variant(False, LEGACY), "the workload alone"),
+            Variant("legacy", variant(True, LEGACY), "migration without hinting"),
             Variant(
                 "free-page-hint",
                 variant(True, Stack(hint=True)),
@@ -504,7 +489,7 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
     small = size // 8
     transport = Transport(opts.net)
 
-    def variant(ballooned: bool, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
+    def variant(ballooned: bool, stack: Stack = LEGACY) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             config = stack_config(opts, "b-balloon", size if ballooned else small, stack)
             metrics: Metrics = {}
@@ -601,7 +586,7 @@ def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) ->
     used, smallest = _size_param(params, "used"), _size_param(params, "from")
     transport = Transport(opts.net)
 
-    def variant(memory: int, stack: Stack = Stack()) -> Callable[[RunContext], Metrics]:
+    def variant(memory: int, stack: Stack = LEGACY) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             # Untouched guest RAM costs nothing; reserve=off only where the
             # kernel's overcommit heuristic would refuse the mapping.
@@ -1035,7 +1020,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ),
         ScenarioSpec(
             "migrate-scale",
-            "idle migration vs guest size",
+            "migration vs guest size at fixed used memory",
             make_migrate_scale,
             "8G",
             "largest guest; sizes double from `from` up to it",

@@ -36,6 +36,9 @@ def add_vm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deflate-on-oom", action="store_true")
     parser.add_argument("--free-page-hint", action="store_true")
     parser.add_argument("--free-page-reporting", action="store_true")
+    parser.add_argument(
+        "--ranges", action="store_true", help="offer page-range ballooning (--build patched)"
+    )
 
 
 def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig:
@@ -59,6 +62,7 @@ def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig
             deflate_on_oom=args.deflate_on_oom,
             free_page_hint=args.free_page_hint,
             free_page_reporting=args.free_page_reporting,
+            ranges=args.ranges,
         ),
     )
 

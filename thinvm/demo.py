@@ -10,43 +10,18 @@ host memory column shows what the guest gave back at each step.
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from thinvm import balloon, migrate, workload
 from thinvm.progress import ProgressLine
+from thinvm.stack import STOCK, THINVM, Stack
 from thinvm.units import MiB, format_size
-from thinvm.vm import VM, BalloonOptions, VMConfig
+from thinvm.vm import VM, VMConfig
 
 PATTERN_SIZE = 256 * MiB
 PATTERN_SEED = 20261121
 IDLE_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class DemoStack:
-    name: str
-    build: str
-    driver: str
-    reporting: bool
-    caps: dict[str, bool] = field(default_factory=dict)
-    extra_args: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        features = ["hinting"] + (["reporting"] if self.reporting else [])
-        features += ["page ranges"] if self.extra_args else []
-        features += list(self.caps)
-        return f"{self.build} QEMU, {self.driver} driver, {', '.join(features)}"
-
-
-STOCK = DemoStack("stock", build="stock", driver="stock", reporting=False)
-THINVM = DemoStack(
-    "thinvm",
-    build="patched",
-    driver="thinvm",
-    reporting=True,
-    caps={"sparse-ram": True},
-    extra_args=("-global", "virtio-balloon-pci.ranges=on"),
-)
+STACKS = (("stock", STOCK), ("thinvm", THINVM))
 
 
 @dataclass
@@ -76,27 +51,24 @@ def _timed(func: object) -> float:
 
 def run(memory: int = 2048 * MiB) -> int:
     """Both stacks, one after the other; 0 only if both kept the pattern."""
-    results = [(stack, run_stack(stack, memory)) for stack in (STOCK, THINVM)]
-    for stack, (steps, _) in results:
-        print(f"\n{stack.name}: {stack.describe()}")
+    results = [(name, stack, run_stack(name, stack, memory)) for name, stack in STACKS]
+    for name, stack, (steps, _) in results:
+        print(f"\n{name}: {stack.describe()}")
         _print_table(steps)
-    _print_comparison(results[0][1][0], results[1][1][0])
-    return 0 if all(ok for _, (_, ok) in results) else 1
+    _print_comparison(results[0][2][0], results[1][2][0])
+    return 0 if all(ok for _, _, (_, ok) in results) else 1
 
 
-def run_stack(stack: DemoStack, memory: int) -> tuple[list[Step], bool]:
+def run_stack(name: str, stack: Stack, memory: int) -> tuple[list[Step], bool]:
     config = VMConfig(
-        name=f"demo-{stack.name}",
+        name=f"demo-{name}",
         build=stack.build,
         memory=memory,
         guest_driver=stack.driver,
-        balloon=BalloonOptions(
-            deflate_on_oom=True, free_page_hint=True, free_page_reporting=stack.reporting
-        ),
-        extra_args=list(stack.extra_args),
+        balloon=stack.balloon(deflate_on_oom=True),
     )
     steps: list[Step] = []
-    _say(f"{stack.name}: booting a {format_size(memory)} guest ({stack.describe()})")
+    _say(f"{name}: booting a {format_size(memory)} guest ({stack.describe()})")
     with VM(config).start() as src:
         _record(steps, src, "boot to agent", src.boot_seconds or 0.0, f"accel {src.accel}")
         touched = 0
@@ -120,7 +92,7 @@ def run_stack(stack: DemoStack, memory: int) -> tuple[list[Step], bool]:
         # a couple of seconds after they are freed; both stacks idle alike.
         _record(steps, src, "guest idles", _timed(lambda: time.sleep(IDLE_SECONDS)))
 
-        _say(f"{stack.name}: live-migrating to a second QEMU")
+        _say(f"{name}: live-migrating to a second QEMU")
         with VM(config, incoming=True).start() as dst:
             line = ProgressLine("[demo] ")
             result = migrate.migrate(

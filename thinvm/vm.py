@@ -46,6 +46,7 @@ class BalloonOptions:
     deflate_on_oom: bool = False
     free_page_hint: bool = False
     free_page_reporting: bool = False
+    ranges: bool = False  # VIRTIO_BALLOON_F_RANGES (patched QEMU only)
 
 
 @dataclass
@@ -225,6 +226,8 @@ class VM:
             props += ["free-page-hint=on", "iothread=balloon-iothread"]
         if opts.free_page_reporting:
             props.append("free-page-reporting=on")
+        if opts.ranges:
+            props.append("ranges=on")
         return [*args, "-device", ",".join(props)]
 
     def _accel_args(self) -> list[str]:

@@ -183,9 +183,8 @@ def test_612_guest_boots_with_our_driver(make_vm: VMFactory) -> None:
 def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None:
     """Our driver + patched QEMU with ranges=on (docs/protocol/balloon-ranges.md)."""
     memory = 2 * GiB
-    config = ours("drv-ranges", memory)
+    config = ours("drv-ranges", memory, ranges=True)
     config.build = "patched"
-    config.extra_args = ["-global", "virtio-balloon-pci.ranges=on"]
     vm = make_vm(config)
     inflate = 1 * GiB
     c, dropped = inflate_touched(vm, inflate)

@@ -254,7 +254,7 @@ def test_range_balloon_returns_whole_huge_pages(
             pool=str(p.root),
             build="patched",
             guest_driver="thinvm",
-            extra_args=["-global", "virtio-balloon-pci.ranges=on"],
+            balloon=BalloonOptions(ranges=True),
         )
         vm = make_vm(config)
         dmesg = vm.agent.check("dmesg").stdout

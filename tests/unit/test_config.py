@@ -35,6 +35,22 @@ def test_free_page_hint_gets_an_iothread() -> None:
     assert "iothread,id=balloon-iothread" in _option(args, "-object")
 
 
+def test_stacks_set_the_balloon_device() -> None:
+    from thinvm.stack import STOCK, THINVM
+
+    def device(config: VMConfig) -> str:
+        (dev,) = [d for d in _option(_vm(config).command_line(), "-device") if "balloon" in d]
+        return dev
+
+    thinvm_dev = device(VMConfig(balloon=THINVM.balloon(deflate_on_oom=True)))
+    for prop in ("ranges=on", "free-page-reporting=on", "free-page-hint=on", "deflate-on-oom=on"):
+        assert prop in thinvm_dev
+    stock_dev = device(VMConfig(balloon=STOCK.balloon()))
+    assert "free-page-hint=on" in stock_dev and "ranges" not in stock_dev
+    assert THINVM.caps == {"sparse-ram": True} and STOCK.caps == {}
+    assert "page ranges" in THINVM.describe() and "sparse-ram" in THINVM.describe()
+
+
 def test_no_balloon_means_no_device() -> None:
     args = _vm(VMConfig(balloon=BalloonOptions(enabled=False))).command_line()
     assert not [d for d in _option(args, "-device") if "balloon" in d]
