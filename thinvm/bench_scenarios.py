@@ -568,17 +568,18 @@ STRUCT_PAGE_BYTES = 64  # sizeof(struct page) in Debian's x86_64 kernels
 SCALE_SEED = 5
 
 
-def guest_memmap_bytes(vm: VM) -> int:
-    """The guest kernel's struct page array: 64 bytes per present page.
+def memmap_bytes(zoneinfo: str) -> int:
+    """The struct page array for the pages /proc/zoneinfo calls present.
 
     It grows with guest RAM and is initialised at boot, so every byte of
     it is data a migration has to send, sparse or not.
     """
-    zoneinfo = vm.agent.check("cat /proc/zoneinfo").stdout
-    present = sum(
-        int(line.split()[1]) for line in zoneinfo.splitlines() if line.split()[:1] == ["present"]
-    )
-    return present * STRUCT_PAGE_BYTES
+    fields = (line.split() for line in zoneinfo.splitlines())
+    return sum(int(f[1]) for f in fields if f[:1] == ["present"]) * STRUCT_PAGE_BYTES
+
+
+def guest_memmap_bytes(vm: VM) -> int:
+    return memmap_bytes(vm.agent.check("cat /proc/zoneinfo").stdout)
 
 
 def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:

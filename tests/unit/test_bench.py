@@ -436,3 +436,20 @@ def test_stack_capabilities() -> None:
     assert Stack().caps == {}
     assert Stack(sparse=True).caps == {"sparse-ram": True}
     assert Stack(sparse=True, multifd=True).caps == {"sparse-ram": True, "multifd": True}
+
+
+def test_memmap_bytes_counts_present_pages_of_every_zone() -> None:
+    zoneinfo = """Node 0, zone      DMA
+  pages free     3840
+        spanned  4095
+        present  3998
+        managed  3840
+Node 0, zone    DMA32
+  pages free     200000
+        spanned  1044480
+        present  520159
+        managed  505000
+    nr_free_pages 200000
+"""
+    assert bench_scenarios.memmap_bytes(zoneinfo) == (3998 + 520159) * 64
+    assert bench_scenarios.memmap_bytes("") == 0
