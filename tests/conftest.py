@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from thinvm.vm import VM, VMConfig
+from thinvm.vm.machine import VM, VMConfig
 
 
 def qemu_pids(name: str | None = None) -> set[int]:

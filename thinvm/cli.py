@@ -8,12 +8,14 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from thinvm import accel, balloon, builds, migrate, pool
+from thinvm import pool
 from thinvm.errors import ThinvmError
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
+from thinvm.qemu import accel, builds
 from thinvm.units import format_size, parse_size
-from thinvm.vm import VM, BalloonOptions, VMConfig, install_signal_handlers
+from thinvm.vm import balloon, migrate
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig, install_signal_handlers
 
 
 def add_vm_options(parser: argparse.ArgumentParser) -> None:
@@ -267,7 +269,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from thinvm import bench
+    from thinvm.bench import harness as bench
 
     options = bench.BenchOptions(
         size=parse_size(args.size) if args.size else None,

@@ -12,11 +12,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from thinvm import balloon, migrate, workload
+from thinvm.guest import workload
 from thinvm.progress import ProgressLine
-from thinvm.stack import STOCK, THINVM, Stack
 from thinvm.units import MiB, format_size
-from thinvm.vm import VM, VMConfig
+from thinvm.vm import balloon, migrate
+from thinvm.vm.machine import VM, VMConfig
+from thinvm.vm.stack import STOCK, THINVM, Stack
 
 PATTERN_SIZE = 256 * MiB
 PATTERN_SEED = 20261121

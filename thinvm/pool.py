@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from thinvm.errors import ThinvmError
-from thinvm.hostmem import host_meminfo
+from thinvm.host.memory import host_meminfo
 from thinvm.paths import REPO, cache_dir
 from thinvm.progress import ProgressLine
 from thinvm.units import GiB, KiB, MiB, format_size
 
 if TYPE_CHECKING:
-    from thinvm.vm import VM, VMConfig
+    from thinvm.vm.machine import VM, VMConfig
 
 KINDS = ("hugetlbfs", "tmpfs")
 
@@ -1563,7 +1563,7 @@ def start_from_pool(
     caller owns the VM (use it as a context manager); its slot is scrubbed
     in the background once it is shut down.
     """
-    from thinvm.vm import VM
+    from thinvm.vm.machine import VM
 
     pool = Pool(root)
     started = time.monotonic()

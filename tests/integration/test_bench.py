@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from thinvm import balloon, bench
-from thinvm.bench_probe import SyscallCounter
+from thinvm.bench import harness as bench
+from thinvm.bench.probe import SyscallCounter
 from thinvm.progress import ProgressLine
 from thinvm.units import GiB
-from thinvm.vm import VM, VMConfig
+from thinvm.vm import balloon
+from thinvm.vm.machine import VM, VMConfig
 
 pytestmark = pytest.mark.guest
 

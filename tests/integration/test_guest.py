@@ -5,9 +5,10 @@ import time
 import pytest
 
 from tests.conftest import VMFactory
-from thinvm import balloon, workload
+from thinvm.guest import workload
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import BalloonOptions, VMConfig
+from thinvm.vm import balloon
+from thinvm.vm.machine import BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 

@@ -11,11 +11,12 @@ import time
 import pytest
 
 from tests.conftest import VMFactory
-from thinvm import balloon, migrate, workload
-from thinvm.agent import AgentClient
+from thinvm.guest import workload
+from thinvm.guest.agent import AgentClient
 from thinvm.paths import REPO
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import VM, BalloonOptions, VMConfig
+from thinvm.vm import balloon, migrate
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 

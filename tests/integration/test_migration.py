@@ -3,10 +3,11 @@
 import pytest
 
 from tests.conftest import VMFactory, qemu_pids
-from thinvm import migrate, workload
 from thinvm.errors import ThinvmError
+from thinvm.guest import workload
 from thinvm.units import GiB, MiB
-from thinvm.vm import BalloonOptions, VMConfig
+from thinvm.vm import migrate
+from thinvm.vm.machine import BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 

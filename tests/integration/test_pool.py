@@ -17,11 +17,13 @@ import pytest
 
 from tests.conftest import VMFactory, qemu_pids
 from tests.unit.test_pool import pattern_pages
-from thinvm import balloon, pool, workload
-from thinvm.hostmem import host_meminfo
+from thinvm import pool
+from thinvm.guest import workload
+from thinvm.host.memory import host_meminfo
 from thinvm.paths import run_dir
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import VM, BalloonOptions, VMConfig
+from thinvm.vm import balloon
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 MEMORY = 1 * GiB
 SEED = 4242

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VMFactory
-from thinvm import balloon, migrate, workload
 from thinvm.errors import ThinvmError
+from thinvm.guest import workload
 from thinvm.units import GiB, MiB
-from thinvm.vm import VM, BalloonOptions, VMConfig
+from thinvm.vm import balloon, migrate
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from thinvm.agent import AgentClient
 from thinvm.errors import GuestError
+from thinvm.guest.agent import AgentClient
 
 
 def _fake_agent(path: Path, script: Callable[[socket.socket], None]) -> threading.Thread:

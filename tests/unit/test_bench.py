@@ -7,9 +7,12 @@ from typing import Any
 
 import pytest
 
-from thinvm import bench, bench_probe, bench_report, bench_scenarios
-from thinvm.bench import BenchOptions, RunContext, Scenario, Variant
-from thinvm.bench_report import CatalogueEntry
+from thinvm.bench import harness as bench
+from thinvm.bench import probe as bench_probe
+from thinvm.bench import report as bench_report
+from thinvm.bench import scenarios as bench_scenarios
+from thinvm.bench.harness import BenchOptions, RunContext, Scenario, Variant
+from thinvm.bench.report import CatalogueEntry
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB
 

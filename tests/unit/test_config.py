@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from thinvm import accel, builds
-from thinvm.builds import QemuBuild
 from thinvm.cli import main
 from thinvm.errors import ThinvmError
-from thinvm.image import GuestImage
-from thinvm.migrate import MigrationResult
+from thinvm.guest.image import GuestImage
+from thinvm.qemu import accel, builds
+from thinvm.qemu.builds import QemuBuild
 from thinvm.units import GiB, MiB
-from thinvm.vm import VM, BalloonOptions, VMConfig, check_memory_fits
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig, check_memory_fits
+from thinvm.vm.migrate import MigrationResult
 
 
 def _vm(config: VMConfig, incoming: bool = False) -> VM:
@@ -36,7 +36,7 @@ def test_free_page_hint_gets_an_iothread() -> None:
 
 
 def test_stacks_set_the_balloon_device() -> None:
-    from thinvm.stack import STOCK, THINVM
+    from thinvm.vm.stack import STOCK, THINVM
 
     def device(config: VMConfig) -> str:
         (dev,) = [d for d in _option(_vm(config).command_line(), "-device") if "balloon" in d]

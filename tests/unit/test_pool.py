@@ -20,7 +20,7 @@ from thinvm import pool
 from thinvm.paths import REPO
 from thinvm.pool import Action, Owner, Policy, PoolConfig, PoolState, Pressure, Slot
 from thinvm.units import GiB, MiB
-from thinvm.vm import VM, VMConfig
+from thinvm.vm.machine import VM, VMConfig
 
 # -- the guest pattern, recomputed on the host (guest/agent/mem.c) ----------
 

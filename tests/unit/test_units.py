@@ -1,7 +1,7 @@
 import pytest
 
 from thinvm.errors import ThinvmError
-from thinvm.hostmem import parse_meminfo
+from thinvm.host.memory import parse_meminfo
 from thinvm.units import GiB, KiB, MiB, format_size, parse_size
 
 

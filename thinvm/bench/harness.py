@@ -10,9 +10,9 @@ bench/results/SCENARIO-<UTC stamp>.json (raw runs, summary, environment),
 a PNG plot next to it, and regenerates docs/benchmarks.md from the latest
 result of every scenario.
 
-The scenarios themselves live in thinvm.bench_scenarios; the report
-(markdown and plot) in thinvm.bench_report; host-side probes (syscall
-counters, network namespaces, memory cgroups) in thinvm.bench_probe.
+The scenarios themselves live in thinvm.bench.scenarios; the report
+(markdown and plot) in thinvm.bench.report; host-side probes (syscall
+counters, network namespaces, memory cgroups) in thinvm.bench.probe.
 """
 
 import json
@@ -379,7 +379,7 @@ def cpu_model(cpuinfo: str) -> str:
 
 def host_environment() -> dict[str, Any]:
     """Facts about the host that decide what the numbers mean."""
-    from thinvm.hostmem import host_meminfo
+    from thinvm.host.memory import host_meminfo
 
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -405,9 +405,9 @@ def host_environment() -> dict[str, Any]:
 
 def guest_environment(build: str, kernel: str, driver: str, accel: str) -> dict[str, Any]:
     """Both QEMU builds, the guest kernel and the accelerator the guests use."""
-    from thinvm import accel as accel_mod
-    from thinvm import builds
-    from thinvm.image import ensure_image
+    from thinvm.guest.image import ensure_image
+    from thinvm.qemu import accel as accel_mod
+    from thinvm.qemu import builds
 
     qemu: dict[str, Any] = {}
     for flavour in builds.FLAVOURS:
@@ -452,7 +452,8 @@ def regenerate_docs(
 ) -> Path:
     """Rewrite docs/benchmarks.md from the latest JSON of every scenario,
     quoting the hand-written observations in `notes` if that file exists."""
-    from thinvm import bench_report, bench_scenarios
+    from thinvm.bench import report as bench_report
+    from thinvm.bench import scenarios as bench_scenarios
 
     results = load_results(directory)
     image_dir = os.path.relpath(directory, docs.parent)
@@ -493,7 +494,8 @@ def run(
     line: ProgressLine | None = None,
 ) -> Path:
     """Run one scenario end to end; returns the results JSON path."""
-    from thinvm import bench_report, bench_scenarios
+    from thinvm.bench import report as bench_report
+    from thinvm.bench import scenarios as bench_scenarios
 
     spec = bench_scenarios.get(name)
     scenario = spec.build(options)
@@ -505,7 +507,7 @@ def run(
         **host_environment(),
         **guest_environment(options.build, options.kernel, options.driver, options.accel),
     }
-    from thinvm.bench_probe import counter_backend
+    from thinvm.bench.probe import counter_backend
 
     environment["counter"] = counter_backend(options.counter)
     start = time.monotonic()
@@ -536,7 +538,7 @@ def run(
 
 def iter_scenarios() -> Iterator[tuple[str, str, str]]:
     """(name, default size, one-line title) of every scenario."""
-    from thinvm import bench_scenarios
+    from thinvm.bench import scenarios as bench_scenarios
 
     for spec in bench_scenarios.SCENARIOS.values():
         yield spec.name, spec.default_size, spec.title
@@ -552,7 +554,8 @@ def main(
     docs: Path | None = DOCS_PATH,
 ) -> int:
     """Entry point for `thinvm bench`."""
-    from thinvm import bench_report, bench_scenarios
+    from thinvm.bench import report as bench_report
+    from thinvm.bench import scenarios as bench_scenarios
 
     if list_only:
         for spec in bench_scenarios.SCENARIOS.values():

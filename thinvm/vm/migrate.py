@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinvm.errors import ThinvmError
-from thinvm.vm import VM
+from thinvm.vm.machine import VM
 
 Progress = Callable[[dict[str, Any]], None]
 

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 from typing import Any
 
-from thinvm.agent import AgentClient
-from thinvm.hostmem import parse_meminfo
+from thinvm.guest.agent import AgentClient
+from thinvm.host.memory import parse_meminfo
 from thinvm.units import MiB
 
 PATTERN_PATH = "/dev/shm/thinvm-pattern"

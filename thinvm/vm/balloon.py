@@ -6,7 +6,7 @@ from typing import Any
 
 from thinvm.errors import ThinvmError
 from thinvm.units import format_size
-from thinvm.vm import VM
+from thinvm.vm.machine import VM
 
 BALLOON_PATH = "/machine/peripheral/balloon0"
 

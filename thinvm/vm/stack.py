@@ -6,7 +6,7 @@ stock stack against thinvm's.
 
 from dataclasses import dataclass
 
-from thinvm.vm import BalloonOptions
+from thinvm.vm.machine import BalloonOptions
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from thinvm.builds import QemuBuild
 from thinvm.errors import ThinvmError
 from thinvm.paths import cache_dir
+from thinvm.qemu.builds import QemuBuild
 
 ACCELS = ("auto", "tcg", "kvm")
 # The probe guest spins this many iterations, then leaves through

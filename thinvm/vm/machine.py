@@ -23,14 +23,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from thinvm import accel as accel_mod
 from thinvm import pool as pool_mod
-from thinvm.agent import AgentClient
-from thinvm.builds import QemuBuild, find_build
 from thinvm.errors import ThinvmError
-from thinvm.hostmem import HostMemory, host_meminfo, process_memory
-from thinvm.image import GuestImage, ensure_image
-from thinvm.monitor import Monitor
+from thinvm.guest.agent import AgentClient
+from thinvm.guest.image import GuestImage, ensure_image
+from thinvm.host.memory import HostMemory, host_meminfo, process_memory
+from thinvm.qemu import accel as accel_mod
+from thinvm.qemu.builds import QemuBuild, find_build
+from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
 
 AGENT_PORT_NAME = "org.thinvm.agent"

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thinvm import balloon, migrate, pool, workload
-from thinvm.bench import BenchOptions, Metrics, RunContext, Scenario, Variant
-from thinvm.bench_probe import (
+from thinvm import pool
+from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Variant
+from thinvm.bench.probe import (
     MemoryCgroup,
     SyscallCounter,
     VethLink,
@@ -28,12 +28,14 @@ from thinvm.bench_probe import (
     spawn_in,
     veth_link,
 )
-from thinvm.bench_report import CatalogueEntry
+from thinvm.bench.report import CatalogueEntry
 from thinvm.errors import ThinvmError
-from thinvm.hostmem import host_meminfo
-from thinvm.stack import Stack
+from thinvm.guest import workload
+from thinvm.host.memory import host_meminfo
 from thinvm.units import GiB, MiB, format_size, parse_size
-from thinvm.vm import VM, BalloonOptions, VMConfig
+from thinvm.vm import balloon, migrate
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
+from thinvm.vm.stack import Stack
 
 # QEMU's default max-bandwidth (128 MiB/s) would make every migration
 # measure the throttle; the seeds' experiments also lifted it.

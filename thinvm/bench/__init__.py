@@ -1,0 +1,1 @@
+"""Benchmarks: the A/B harness, its scenarios, host probes and reports."""

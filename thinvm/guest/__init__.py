@@ -1,0 +1,1 @@
+"""The guest as seen from the host: images, the agent protocol, workloads."""

@@ -1,0 +1,1 @@
+"""QEMU itself: the stock and patched builds, the accelerator probe, QMP."""

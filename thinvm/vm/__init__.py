@@ -1,0 +1,1 @@
+"""One virtual machine: its QEMU process, balloon and live migration."""
