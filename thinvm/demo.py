@@ -17,12 +17,12 @@ from thinvm.progress import ProgressLine
 from thinvm.units import MiB, format_size
 from thinvm.vm import balloon, migrate
 from thinvm.vm.machine import VM, VMConfig
-from thinvm.vm.stack import STOCK, THINVM, Stack
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 PATTERN_SIZE = 256 * MiB
 PATTERN_SEED = 20261121
 IDLE_SECONDS = 10.0
-STACKS = (("stock", STOCK), ("thinvm", THINVM))
+STACKS = (("stock-best", STOCK_BEST), ("thinvm", THINVM))
 
 
 @dataclass
