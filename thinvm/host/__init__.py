@@ -1,1 +1,11 @@
-"""The host: its memory, pressure, cgroups and huge pages, as VMs and the pool see them."""
+"""The host: its memory, pressure, cgroups and huge pages, as VMs and the pool see them.
+
+Shared by the warm pool (thinvm.pool) and the balance controller; nothing
+here knows about either.
+"""
+
+from thinvm.errors import ThinvmError
+
+
+class HostError(ThinvmError):
+    """The host refused a change (a sysfs or cgroup write) or lacks a feature."""
