@@ -19,6 +19,7 @@ from tests.conftest import VMFactory, qemu_pids
 from tests.unit.test_pool import pattern_pages
 from thinvm import pool
 from thinvm.guest import workload
+from thinvm.host.hugepages import nr_hugepages
 from thinvm.host.memory import host_meminfo
 from thinvm.paths import run_dir
 from thinvm.units import GiB, MiB, format_size
@@ -39,9 +40,9 @@ def hugepages_restored() -> Iterator[None]:
     Ask for it before make_vm: pages a VM still maps stay (as surplus
     pages) until its QEMU exits, after the pool has gone.
     """
-    before = pool.nr_hugepages(HUGE)
+    before = nr_hugepages(HUGE)
     yield
-    assert pool.nr_hugepages(HUGE) == before
+    assert nr_hugepages(HUGE) == before
 
 
 def _tag(name: str) -> str:
@@ -175,7 +176,7 @@ def test_pool_gives_memory_back_under_pressure(
     slot = 256 * MiB
     psi = tmp_path / "memory"
     _psi_file(psi, 0.0)
-    baseline = pool.nr_hugepages(HUGE)
+    baseline = nr_hugepages(HUGE)
     with pool.temporary_pool(kind, slot, count=2, tag=_tag(f"pressure-{kind}")) as p:
         pool.configure(p.root, pool.PoolSpec(psi_path=str(psi), interval=0.2, cooldown=1.0))
         assert _held(p.root) == 2 * slot
@@ -193,7 +194,7 @@ def test_pool_gives_memory_back_under_pressure(
         if kind == "tmpfs":
             assert shmem - host_meminfo()["Shmem"] >= 0.9 * 2 * slot
         else:  # the huge pages went back to the host, not just to the huge page pool
-            assert pool.nr_hugepages(HUGE) == baseline
+            assert nr_hugepages(HUGE) == baseline
         _psi_file(psi, 0.0)
         pool.wait_free(p.root, timeout=120)
 

@@ -260,10 +260,16 @@ def _policy(budget: int = 8 * GiB, watermark: int = 2 * GiB) -> Policy:
     return Policy(budget=budget, watermark=watermark, psi_threshold=10.0)
 
 
-def test_parse_psi() -> None:
-    text = "some avg10=12.50 avg60=1.00 avg300=0.00 total=9\nfull avg10=3.00 avg60=0 total=1\n"
-    assert pool.parse_psi(text) == 12.5
-    assert pool.parse_psi("") is None
+def test_pressure_reads_psi_some_avg10(tmp_path: Path) -> None:
+    psi = tmp_path / "memory"
+    psi.write_text("some avg10=12.50 avg60=1.00 avg300=0.00 total=9\n")
+    policy = Policy(budget=GiB, psi_path=str(psi))
+    assert pool.read_pressure(policy).psi_some_avg10 == 12.5
+    assert pool.read_pressure(policy).mem_available > 0
+    psi.write_text("garbage\n")
+    assert pool.read_pressure(policy).psi_some_avg10 is None  # the watermark decides alone
+    policy.psi_path = str(tmp_path / "absent")  # a kernel without PSI
+    assert pool.read_pressure(policy).psi_some_avg10 is None
 
 
 def test_pressure_from_psi_or_watermark() -> None:
