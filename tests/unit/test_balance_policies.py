@@ -1,0 +1,446 @@
+"""The balance policies on recorded and constructed samples.
+
+Every safety rule of the thinvm policy (docs/balance.md) has a test here;
+the anchors' policies are checked against their published rules.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thinvm.balance.model import (
+    Backing,
+    GuestStats,
+    HostSample,
+    VmLimits,
+    VmSample,
+    VmState,
+    parse_guest_stats,
+)
+from thinvm.balance.policies import (
+    Inputs,
+    MomPolicy,
+    ProxmoxPolicy,
+    ThinvmParams,
+    ThinvmPolicy,
+)
+from thinvm.units import GiB, MiB
+
+DATA = Path(__file__).parent / "data" / "balance"
+CALM_HOST = HostSample(total=24 * GiB, available=20 * GiB, psi_some_avg10=0.0, psi_full_avg10=0.0)
+
+
+def stats(free: int, available: int | None = None, age: float = 1.0, **counters: int) -> GuestStats:
+    return GuestStats(
+        age=age,
+        total=1 * GiB,
+        free=free,
+        available=free if available is None else available,
+        **counters,
+    )
+
+
+def vm(
+    name: str = "a", actual: int = 1 * GiB, st: GuestStats | None = None, **kw: object
+) -> VmSample:
+    return VmSample(name=name, max_memory=1 * GiB, actual=actual, stats=st, **kw)  # type: ignore[arg-type]
+
+
+def run(
+    policy: object,
+    vms: list[VmSample],
+    host: HostSample = CALM_HOST,
+    states: dict[str, VmState] | None = None,
+    cycle: int = 10,
+    limits: dict[str, VmLimits] | None = None,
+    interval: float = 2.0,
+):  # type: ignore[no-untyped-def]
+    inputs = Inputs(cycle, interval, host, vms, limits or {}, states or {})
+    return policy.decide(inputs)  # type: ignore[attr-defined]
+
+
+def settle(policy: ThinvmPolicy, sample: VmSample, cycles: int = 3, host: HostSample = CALM_HOST):  # type: ignore[no-untyped-def]
+    """Run a few cycles on the same sample: the state a steady guest reaches."""
+    states: dict[str, VmState] = {}
+    plan = None
+    for cycle in range(cycles):
+        plan = run(policy, [sample], host=host, states=states, cycle=cycle)
+        states = plan.states
+    return plan, states
+
+
+# -- recorded QMP replies ----------------------------------------------------
+
+
+def test_parse_stats_of_a_6_12_guest_has_stall_counters() -> None:
+    reply = json.loads((DATA / "guest-stats-6.12.json").read_text())
+    parsed = parse_guest_stats(reply, now=reply["last-update"] + 3)
+    assert parsed is not None
+    assert parsed.age == 3
+    assert parsed.free and parsed.free > 0
+    assert parsed.total and parsed.total > parsed.free
+    assert parsed.alloc_stalls is not None and parsed.direct_reclaims is not None
+    assert parsed.oom_kills == 0
+    assert set(parsed.counters()) == {
+        "oom_kills",
+        "alloc_stalls",
+        "direct_scans",
+        "direct_reclaims",
+    }
+
+
+def test_parse_stats_of_a_6_1_guest_leaves_new_counters_unset() -> None:
+    reply = json.loads((DATA / "guest-stats-6.1.json").read_text())
+    parsed = parse_guest_stats(reply, now=reply["last-update"])
+    assert parsed is not None and parsed.free
+    assert parsed.alloc_stalls is None and parsed.oom_kills is None
+    assert parsed.counters() == {}
+
+
+def test_parse_stats_before_the_first_report_is_none() -> None:
+    reply = json.loads((DATA / "guest-stats-6.1.json").read_text())
+    reply["last-update"] = 0
+    assert parse_guest_stats(reply, now=1e9) is None
+
+
+# -- thinvm: safety rules ----------------------------------------------------
+
+
+def test_never_shrinks_on_stale_stats() -> None:
+    policy = ThinvmPolicy()
+    sample = vm(st=stats(free=900 * MiB, age=60.0))
+    plan, _ = settle(policy, sample, cycles=5)
+    (decision,) = plan.decisions
+    assert decision.target is None or decision.target >= sample.actual
+    assert "stats 60 s old" in decision.reason
+
+
+def test_never_shrinks_without_stats() -> None:
+    plan, _ = settle(ThinvmPolicy(), vm(st=None), cycles=5)
+    assert plan.decisions[0].target is None
+    assert "missing" in plan.decisions[0].reason
+
+
+def test_stale_stats_give_a_shrunk_guest_memory_back() -> None:
+    states = {"a": VmState(target=400 * MiB, last_actual=400 * MiB)}
+    plan = run(ThinvmPolicy(), [vm(actual=400 * MiB, st=stats(100 * MiB, age=30))], states=states)
+    assert plan.decisions[0].target is not None and plan.decisions[0].target > 400 * MiB
+
+
+def test_idle_guest_shrinks_only_after_calm_cycles_and_by_at_most_one_step() -> None:
+    policy = ThinvmPolicy()
+    sample = vm(st=stats(free=800 * MiB))
+    states: dict[str, VmState] = {}
+    targets = []
+    for cycle in range(3):
+        plan = run(policy, [sample], states=states, cycle=cycle)
+        states = plan.states
+        targets.append(plan.decisions[0].target)
+    assert targets[:2] == [None, None]  # hysteresis: not calm long enough
+    assert targets[2] == 1 * GiB - policy.params.inflate_step  # inflate slowly
+    assert "step cap" in plan.decisions[0].reason
+
+
+def test_one_shrink_in_flight_at_a_time() -> None:
+    policy = ThinvmPolicy()
+    sample = vm(actual=1 * GiB, st=stats(free=800 * MiB))
+    state = VmState(target=896 * MiB, last_actual=1 * GiB, calm_cycles=5, last_used=224 * MiB)
+    plan = run(policy, [sample], states={"a": state})
+    assert plan.decisions[0].target is None
+    assert "in flight" in plan.decisions[0].reason
+
+
+def test_dead_band_ignores_small_changes() -> None:
+    policy = ThinvmPolicy()
+    headroom = max(policy.params.headroom_min, int(GiB * policy.params.headroom_fraction))
+    # free is within the dead band of the headroom the guest keeps anyway
+    sample = vm(actual=600 * MiB, st=stats(free=headroom + 8 * MiB))
+    plan, _ = settle(policy, sample, cycles=4)
+    assert plan.decisions[0].target is None
+    assert plan.decisions[0].reason.startswith("hold")
+
+
+def test_never_below_floor() -> None:
+    policy = ThinvmPolicy()
+    limits = {"a": VmLimits(floor=900 * MiB, ceiling=1 * GiB)}
+    states: dict[str, VmState] = {}
+    for cycle in range(6):
+        plan = run(
+            policy, [vm(st=stats(free=950 * MiB))], states=states, cycle=cycle, limits=limits
+        )
+        states = plan.states
+        target = plan.decisions[0].target
+        assert target is None or target >= 900 * MiB
+    assert states["a"].target == 900 * MiB
+
+
+def test_guest_below_floor_is_restored_even_without_spare() -> None:
+    host = HostSample(total=4 * GiB, available=100 * MiB)
+    limits = {"a": VmLimits(floor=512 * MiB, ceiling=1 * GiB)}
+    plan = run(
+        ThinvmPolicy(), [vm(actual=300 * MiB, st=stats(200 * MiB))], host=host, limits=limits
+    )
+    assert plan.decisions[0].target == 512 * MiB
+
+
+def test_ceiling_caps_growth() -> None:
+    limits = {"a": VmLimits(floor=256 * MiB, ceiling=700 * MiB)}
+    sample = vm(actual=600 * MiB, st=stats(free=5 * MiB, alloc_stalls=9))
+    state = VmState(counters={"alloc_stalls": 1}, target=600 * MiB, last_actual=600 * MiB)
+    plan = run(ThinvmPolicy(), [sample], states={"a": state}, limits=limits)
+    assert plan.decisions[0].target == 700 * MiB
+
+
+@pytest.mark.parametrize(
+    "counter", ["alloc_stalls", "direct_reclaims", "direct_scans", "oom_kills"]
+)
+def test_backs_off_at_once_on_guest_stall_or_reclaim(counter: str) -> None:
+    policy = ThinvmPolicy()
+    # The guest still has free memory by its report, but it stalled.
+    before = VmState(
+        target=512 * MiB, last_actual=512 * MiB, calm_cycles=9, counters={counter: 3},
+        last_used=300 * MiB,
+    )  # fmt: skip
+    sample = vm(actual=512 * MiB, st=stats(free=212 * MiB, **{counter: 4}))
+    plan = run(policy, [sample], states={"a": before}, cycle=20)
+    decision = plan.decisions[0]
+    assert decision.target is not None
+    assert decision.target >= 512 * MiB + int(GiB * policy.params.stress_boost_fraction)
+    assert counter.replace("_", " ") in decision.reason
+    # ... and it does not shrink again during the cooldown, though it is idle now.
+    states = plan.states
+    idle = vm(actual=decision.target, st=stats(free=700 * MiB, **{counter: 4}))
+    for cycle in range(21, 21 + policy.params.stress_cooldown - 1):
+        plan = run(policy, [idle], states=states, cycle=cycle)
+        states = plan.states
+        assert plan.decisions[0].target is None, plan.decisions[0].reason
+
+
+def test_6_1_guest_nearly_out_of_memory_counts_as_stressed() -> None:
+    before = VmState(target=400 * MiB, last_actual=400 * MiB, calm_cycles=9, last_used=380 * MiB)
+    plan = run(
+        ThinvmPolicy(), [vm(actual=400 * MiB, st=stats(free=20 * MiB))], states={"a": before}
+    )
+    assert plan.decisions[0].target is not None and plan.decisions[0].target > 400 * MiB
+    assert "below half its headroom" in plan.decisions[0].reason
+
+
+def test_deflate_is_fast_inflate_is_slow() -> None:
+    policy = ThinvmPolicy()
+    grow_state = VmState(target=300 * MiB, last_actual=300 * MiB, last_used=250 * MiB)
+    grow = run(policy, [vm(actual=300 * MiB, st=stats(free=50 * MiB, available=50 * MiB))],
+               states={"a": grow_state}).decisions[0]  # fmt: skip
+    # the guest grew by 0 MiB, is not stalled, but has less than its headroom: grows fully
+    assert grow.target is not None and grow.target - 300 * MiB > policy.params.inflate_step
+    shrink_state = VmState(calm_cycles=9, last_used=124 * MiB, last_actual=1 * GiB)
+    shrink = run(policy, [vm(st=stats(free=900 * MiB))], states={"a": shrink_state}).decisions[0]
+    assert shrink.target == 1 * GiB - policy.params.inflate_step
+
+
+def test_growth_never_takes_more_than_the_host_can_spare() -> None:
+    policy = ThinvmPolicy()
+    host = HostSample(total=4 * GiB, available=400 * MiB)  # reserve is 328 MiB
+    reserve = max(
+        policy.params.host_reserve_min, int(4 * GiB * policy.params.host_reserve_fraction)
+    )
+    state = VmState(target=300 * MiB, last_actual=300 * MiB, counters={"alloc_stalls": 0})
+    sample = vm(actual=300 * MiB, st=stats(free=10 * MiB, alloc_stalls=5))
+    decision = run(policy, [sample], host=host, states={"a": state}).decisions[0]
+    assert decision.target is not None
+    assert decision.target - 300 * MiB <= 400 * MiB - reserve
+    # with nothing to spare, not even a stalled guest grows past its floor
+    broke = HostSample(total=4 * GiB, available=reserve - 10 * MiB)
+    decision = run(policy, [sample], host=broke, states={"a": state}).decisions[0]
+    assert decision.target is None and "host cannot spare" in decision.reason
+
+
+def test_scarce_memory_goes_to_stalled_guests_first_then_by_shares() -> None:
+    policy = ThinvmPolicy()
+    host = HostSample(total=8 * GiB, available=int(8 * GiB * 0.08) + 300 * MiB)
+    stalled = vm("s", actual=300 * MiB, st=stats(free=10 * MiB, alloc_stalls=2))
+    # short of their headroom, not stalled
+    hungry = [vm(n, actual=300 * MiB, st=stats(free=80 * MiB)) for n in ("x", "y")]
+    states = {
+        "s": VmState(target=300 * MiB, last_actual=300 * MiB, counters={"alloc_stalls": 1}),
+        "x": VmState(target=300 * MiB, last_actual=300 * MiB, last_used=270 * MiB),
+        "y": VmState(target=300 * MiB, last_actual=300 * MiB, last_used=270 * MiB),
+    }
+    limits = {
+        "s": VmLimits(256 * MiB, 1 * GiB),
+        "x": VmLimits(256 * MiB, 1 * GiB, shares=3000),
+        "y": VmLimits(256 * MiB, 1 * GiB, shares=1000),
+    }
+    plan = run(policy, [stalled, *hungry], host=host, states=states, limits=limits)
+    grants = {d.vm: (d.target or 300 * MiB) - 300 * MiB for d in plan.decisions}
+    assert grants["s"] >= int(GiB * policy.params.stress_boost_fraction)
+    assert grants["x"] > grants["y"]
+    assert sum(grants.values()) <= 300 * MiB
+
+
+def test_host_pressure_reclaims_from_idle_guests_not_the_busy_one() -> None:
+    policy = ThinvmPolicy()
+    host = HostSample(total=4 * GiB, available=200 * MiB, psi_some_avg10=25.0, psi_full_avg10=3.0)
+    # idle: a lot of page cache, little free; busy: using more every cycle
+    idle = vm("idle", actual=1 * GiB, st=stats(free=100 * MiB, available=700 * MiB))
+    busy = vm("busy", actual=1 * GiB, st=stats(free=300 * MiB, available=350 * MiB))
+    states = {
+        "idle": VmState(calm_cycles=5, last_used=924 * MiB, last_actual=1 * GiB),
+        "busy": VmState(calm_cycles=0, last_used=500 * MiB, last_actual=1 * GiB),
+    }
+    plan = run(policy, [idle, busy], host=host, states=states)
+    by_vm = {d.vm: d for d in plan.decisions}
+    assert by_vm["idle"].target == 1 * GiB - policy.params.inflate_step_pressure
+    assert by_vm["busy"].target is None
+
+
+def test_calm_host_lets_guests_keep_their_page_cache() -> None:
+    # same idle guest, calm host: only its free memory beyond headroom goes
+    sample = vm(actual=1 * GiB, st=stats(free=100 * MiB, available=700 * MiB))
+    plan, _ = settle(ThinvmPolicy(), sample, cycles=4)
+    assert plan.decisions[0].target is None
+
+
+def test_migrating_vm_is_left_alone() -> None:
+    plan, _ = settle(ThinvmPolicy(), vm(st=stats(free=900 * MiB), migrating=True), cycles=5)
+    assert plan.decisions[0].target is None and "migrating" in plan.decisions[0].reason
+
+
+@pytest.mark.parametrize("backing", [Backing.HUGETLBFS, Backing.PINNED])
+def test_unballoonable_backing_is_left_alone(backing: Backing) -> None:
+    plan, _ = settle(ThinvmPolicy(), vm(st=stats(free=900 * MiB), backing=backing), cycles=5)
+    assert plan.decisions[0].target is None
+
+
+def test_shares_zero_opts_out() -> None:
+    limits = {"a": VmLimits(256 * MiB, 1 * GiB, shares=0)}
+    plan = run(ThinvmPolicy(), [vm(st=stats(free=900 * MiB))], limits=limits)
+    assert plan.decisions[0].target is None and "shares 0" in plan.decisions[0].reason
+
+
+def test_dead_driver_is_noticed_cancelled_and_not_asked_again() -> None:
+    params = ThinvmParams(stuck_limit=3, retry_after=10)
+    policy = ThinvmPolicy(params)
+    sample = vm(actual=1 * GiB, st=stats(free=900 * MiB))
+    states = {"a": VmState(target=600 * MiB, last_actual=1 * GiB, calm_cycles=9, last_used=0)}
+    decisions = []
+    for cycle in range(20, 40):
+        plan = run(policy, [sample], states=states, cycle=cycle)
+        states = plan.states
+        decisions.append(plan.decisions[0])
+    cancel = [d for d in decisions if d.target is not None]
+    assert cancel[0].target == 1 * GiB and "did not follow" in cancel[0].reason
+    assert decisions.index(cancel[0]) == params.stuck_limit - 1
+    # after cancelling it stays quiet until the retry cycle
+    quiet = decisions[params.stuck_limit : params.stuck_limit + params.retry_after - 1]
+    assert all(d.target is None for d in quiet)
+
+
+def test_a_slow_but_moving_driver_is_not_given_up() -> None:
+    policy = ThinvmPolicy(ThinvmParams(stuck_limit=2))
+    states = {"a": VmState(target=600 * MiB, last_actual=1 * GiB)}
+    for cycle, actual in enumerate((980 * MiB, 950 * MiB, 900 * MiB, 850 * MiB)):
+        plan = run(
+            policy,
+            [vm(actual=actual, st=stats(free=actual - 300 * MiB))],
+            states=states,
+            cycle=cycle,
+        )
+        states = plan.states
+        assert "did not follow" not in plan.decisions[0].reason
+
+
+def test_state_round_trips_through_json() -> None:
+    _plan, states = settle(ThinvmPolicy(), vm(st=stats(free=800 * MiB, alloc_stalls=1)), cycles=3)
+    text = json.dumps({k: v.to_json() for k, v in states.items()})
+    assert {k: VmState.from_json(v) for k, v in json.loads(text).items()} == states
+
+
+# -- Proxmox pvestatd --------------------------------------------------------
+
+
+def pve_host(used_fraction: float, total: int = 10 * GiB) -> HostSample:
+    return HostSample(total=total, available=int(total * (1 - used_fraction)))
+
+
+def test_proxmox_shrinks_at_most_100_mib_per_10_s_above_80_percent() -> None:
+    vms = [vm(n, actual=1 * GiB, st=stats(free=700 * MiB)) for n in ("a", "b")]
+    plan = run(ProxmoxPolicy(), vms, host=pve_host(0.95), interval=10.0)
+    assert [d.target for d in plan.decisions] == [1 * GiB - 100 * MiB] * 2
+    plan = run(ProxmoxPolicy(), vms, host=pve_host(0.95), interval=2.0)
+    assert [d.target for d in plan.decisions] == [1 * GiB - 20 * MiB] * 2
+
+
+def test_proxmox_dead_band_of_10_mib() -> None:
+    total = 10 * GiB
+    host = HostSample(total=total, available=int(total * 0.2) + 5 * MiB)  # goal = -5 MiB
+    plan = run(ProxmoxPolicy(), [vm(actual=512 * MiB, st=stats(300 * MiB))], host=host)
+    assert plan.decisions[0].target is None
+
+
+def test_proxmox_grows_tight_guests_first_and_never_below_floor() -> None:
+    limits = {n: VmLimits(floor=512 * MiB, ceiling=1 * GiB) for n in ("tight", "roomy")}
+    tight = vm("tight", actual=600 * MiB, st=stats(free=100 * MiB))  # <= 25% of floor
+    roomy = vm("roomy", actual=600 * MiB, st=stats(free=400 * MiB))
+    total = 10 * GiB
+    host = HostSample(total=total, available=int(total * 0.2) + 50 * MiB)  # goal = +50 MiB
+    plan = run(ProxmoxPolicy(), [tight, roomy], host=host, limits=limits, interval=10.0)
+    by_vm = {d.vm: d.target for d in plan.decisions}
+    assert by_vm["tight"] == 650 * MiB and by_vm["roomy"] is None
+    plan = run(ProxmoxPolicy(), [tight, roomy], host=pve_host(0.99), limits=limits, interval=10)
+    assert all(d.target is None or d.target >= 512 * MiB for d in plan.decisions)
+
+
+def test_proxmox_skips_migrating_and_statless_vms_but_ignores_stats_age() -> None:
+    vms = [
+        vm("m", st=stats(700 * MiB), migrating=True),
+        vm("n", st=None),
+        vm("old", st=stats(700 * MiB, age=3600)),
+    ]
+    plan = run(ProxmoxPolicy(), vms, host=pve_host(0.95), interval=10.0)
+    by_vm = {d.vm: d.target for d in plan.decisions}
+    assert by_vm == {"m": None, "n": None, "old": 1 * GiB - 100 * MiB}
+
+
+# -- oVirt MOM ---------------------------------------------------------------
+
+
+def test_mom_shrinks_5_percent_per_cycle_under_pressure() -> None:
+    host = HostSample(total=10 * GiB, available=int(10 * GiB * 0.15))
+    plan = run(MomPolicy(), [vm(actual=1 * GiB, st=stats(free=800 * MiB))], host=host, interval=10)
+    assert plan.decisions[0].target == int(1 * GiB * 0.95)
+
+
+def test_mom_shrink_stops_at_used_plus_scaled_free() -> None:
+    host = HostSample(total=10 * GiB, available=int(10 * GiB * 0.10))  # half the threshold
+    sample = vm(actual=1000 * MiB, st=stats(free=120 * MiB))
+    plan = run(MomPolicy(), [sample], host=host, interval=10)
+    # used 880 MiB + 10% of 1000 MiB = 980 MiB > 95% of 1000 MiB
+    assert plan.decisions[0].target == int(880 * MiB + 0.1 * 1000 * MiB)
+
+
+def test_mom_critical_pressure_squeezes_below_used() -> None:
+    host = HostSample(total=10 * GiB, available=int(10 * GiB * 0.02))
+    limits = {"a": VmLimits(floor=100 * MiB, ceiling=1 * GiB)}
+    sample = vm(actual=600 * MiB, st=stats(free=10 * MiB))
+    plan = run(MomPolicy(), [sample], host=host, interval=10, limits=limits)
+    assert plan.decisions[0].target is not None and plan.decisions[0].target < 590 * MiB
+
+
+def test_mom_grows_5_percent_without_pressure_and_skips_tiny_changes() -> None:
+    plan = run(MomPolicy(), [vm(actual=600 * MiB, st=stats(free=400 * MiB))], interval=10)
+    assert plan.decisions[0].target == int(600 * MiB * 1.05)
+    plan = run(MomPolicy(), [vm(actual=1 * GiB - 1 * MiB, st=stats(free=400 * MiB))], interval=10)
+    assert plan.decisions[0].target is None  # 1 MiB < 0.25%
+
+
+def test_mom_averages_the_last_ten_samples() -> None:
+    host = HostSample(total=10 * GiB, available=int(10 * GiB * 0.10))
+    states = {"a": VmState(history=((600 * MiB, 500 * MiB),) * 9)}
+    plan = run(
+        MomPolicy(), [vm(actual=600 * MiB, st=stats(free=0))], host=host, states=states, interval=10
+    )
+    assert plan.states["a"].history[-1] == (600 * MiB, 0)
+    assert len(plan.states["a"].history) == 10
+    # the average free (450 MiB) still lets it shrink the full 5 %
+    assert plan.decisions[0].target == int(600 * MiB * 0.95)

@@ -1,0 +1,1 @@
+"""Balance: a per-host closed-loop balloon controller (docs/balance.md)."""

@@ -1,0 +1,188 @@
+"""What the balance controller sees and decides: plain data, no I/O.
+
+Sizes are bytes, times are seconds.  A balloon *target* (and `actual`) is
+the memory the guest keeps outside the balloon, as QMP's `balloon` command
+and `query-balloon` use it: a lower target inflates the balloon and
+shrinks the guest, a higher one deflates it and grows the guest.
+"""
+
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from thinvm.units import MiB
+
+# QEMU reports a statistic the guest did not send as (uint64)-1.
+UNSET_STAT = (1 << 64) - 1
+
+# hw/virtio/virtio-balloon.c balloon_stat_names (QEMU 10.0) -> our names.
+# The last six come from Linux 6.12 guests only; 6.1 guests leave them unset.
+STAT_NAMES = {
+    "stat-total-memory": "total",
+    "stat-free-memory": "free",
+    "stat-available-memory": "available",
+    "stat-disk-caches": "caches",
+    "stat-swap-in": "swap_in",
+    "stat-swap-out": "swap_out",
+    "stat-major-faults": "major_faults",
+    "stat-oom-kills": "oom_kills",
+    "stat-alloc-stalls": "alloc_stalls",
+    "stat-async-scans": "async_scans",
+    "stat-direct-scans": "direct_scans",
+    "stat-async-reclaims": "async_reclaims",
+    "stat-direct-reclaims": "direct_reclaims",
+}
+
+# Counters whose growth means the guest is short of memory right now.
+STRESS_COUNTERS = ("oom_kills", "alloc_stalls", "direct_scans", "direct_reclaims")
+
+
+class Backing(StrEnum):
+    """How a VM's RAM is backed on the host: decides what a balloon can free."""
+
+    ANONYMOUS = "anonymous"
+    THP = "thp"
+    HUGETLBFS = "hugetlbfs"
+    POOL = "pool"  # a warm pool slot file (tmpfs or hugetlbfs)
+    PINNED = "pinned"  # VFIO or mlock: discards are blocked
+
+
+@dataclass(frozen=True)
+class GuestStats:
+    """One virtio-balloon statistics report; None = the guest did not send it."""
+
+    age: float  # seconds since the guest sent it
+    total: int | None = None
+    free: int | None = None
+    available: int | None = None
+    caches: int | None = None
+    swap_in: int | None = None
+    swap_out: int | None = None
+    major_faults: int | None = None
+    oom_kills: int | None = None
+    alloc_stalls: int | None = None
+    async_scans: int | None = None
+    direct_scans: int | None = None
+    async_reclaims: int | None = None
+    direct_reclaims: int | None = None
+
+    def counters(self) -> dict[str, int]:
+        """The stress counters this guest reports (6.12+), by name."""
+        values = {name: getattr(self, name) for name in STRESS_COUNTERS}
+        return {name: value for name, value in values.items() if value is not None}
+
+
+def parse_guest_stats(reply: dict[str, Any], now: float) -> GuestStats | None:
+    """QMP `qom-get .../guest-stats` -> GuestStats; None if never reported.
+
+    `last-update` is the host's wall clock (seconds) when the last report
+    arrived; 0 means the guest has not reported since the device started.
+    """
+    last_update = int(reply.get("last-update", 0) or 0)
+    raw = reply.get("stats") or {}
+    if last_update <= 0:
+        return None
+    values: dict[str, int | None] = {}
+    for qemu_name, name in STAT_NAMES.items():
+        value = raw.get(qemu_name)
+        values[name] = None if value is None or int(value) in (UNSET_STAT, -1) else int(value)
+    if values["total"] is None or values["free"] is None:
+        return None
+    return GuestStats(age=max(0.0, now - last_update), **values)
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """The memory the guests share: the whole host or a budget (cgroup)."""
+
+    total: int  # MemTotal, or the budget's limit
+    available: int  # MemAvailable, or limit - usage
+    swap_used: int = 0
+    psi_some_avg10: float | None = None  # percent; None: no PSI
+    psi_full_avg10: float | None = None
+    psi_some_avg60: float | None = None
+    psi_full_avg60: float | None = None
+
+
+@dataclass(frozen=True)
+class VmSample:
+    """One VM as the backend saw it this cycle."""
+
+    name: str
+    max_memory: int  # configured RAM: the balloon target's ceiling
+    actual: int | None  # None: no balloon device / no answer
+    stats: GuestStats | None = None
+    migrating: bool = False
+    backing: Backing = Backing.ANONYMOUS
+    host_rss: int | None = None
+
+
+@dataclass(frozen=True)
+class VmLimits:
+    """The operator's contract for one VM."""
+
+    floor: int  # never balloon the guest below this
+    ceiling: int  # never give it more than this (<= max_memory)
+    shares: int = 1000  # weight when host memory is split; 0 = leave alone
+
+    @classmethod
+    def default_for(cls, max_memory: int) -> "VmLimits":
+        """A quarter of its RAM (at least 256 MiB) is a guest's floor by default."""
+        return cls(floor=min(max_memory, max(256 * MiB, max_memory // 4)), ceiling=max_memory)
+
+
+@dataclass(frozen=True)
+class VmState:
+    """What the controller remembers about a VM between cycles."""
+
+    target: int | None = None  # the last target we set
+    last_actual: int | None = None
+    last_used: int | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+    stuck_cycles: int = 0  # cycles the target was not followed
+    given_up_until: int = 0  # cycle before which we do not ask again
+    calm_cycles: int = 0  # cycles since the guest last showed stress or growth
+    cooldown_until: int = 0  # no shrinking before this cycle
+    history: tuple[tuple[int, int], ...] = ()  # (actual, free) samples, oldest first
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["history"] = [list(item) for item in self.history]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "VmState":
+        data = dict(data)
+        data["history"] = tuple(tuple(item) for item in data.get("history", ()))
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def but(self, **changes: Any) -> "VmState":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Set `vm`'s balloon target to `target` (None: leave it), because `reason`."""
+
+    vm: str
+    target: int | None
+    reason: str
+
+    @property
+    def acts(self) -> bool:
+        return self.target is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A policy's output for one cycle: decisions and the state to remember."""
+
+    decisions: list[Decision]
+    states: dict[str, VmState]
+
+
+def round_target(size: int, granule: int = 2 * MiB) -> int:
+    """Targets in whole 2 MiB units, so a THP-backed guest frees whole huge pages."""
+    return max(granule, size - size % granule)

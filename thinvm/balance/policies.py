@@ -1,0 +1,562 @@
+"""Balloon policies: pure functions from one cycle's samples to targets.
+
+Three policies share one interface so they can be measured side by side:
+
+- `thinvm` (ours): host PSI and MemAvailable plus the guest's own free
+  memory and, on Linux 6.12 guests, its stall/reclaim/OOM counters.
+  Deflates fast and inflates slowly, never shrinks on stale stats,
+  never grows a guest with memory the host does not have.
+- `proxmox`: pve-manager's pvestatd auto-ballooning (PVE/AutoBalloon.pm
+  `compute_alg1`, PVE/Service/pvestatd.pm `auto_balloning`).
+- `mom`: oVirt MOM's doc/balloon.rules.
+
+A policy sees only data (thinvm.balance.model); the daemon does the I/O.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from thinvm.balance.model import (
+    Backing,
+    Decision,
+    HostSample,
+    Plan,
+    VmLimits,
+    VmSample,
+    VmState,
+    round_target,
+)
+from thinvm.units import MiB, format_size
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything a policy decides from, for one cycle."""
+
+    cycle: int
+    interval: float  # seconds between cycles
+    host: HostSample
+    vms: Sequence[VmSample]
+    limits: Mapping[str, VmLimits]
+    states: Mapping[str, VmState]
+
+    def limits_of(self, vm: VmSample) -> VmLimits:
+        return self.limits.get(vm.name) or VmLimits.default_for(vm.max_memory)
+
+    def state_of(self, vm: VmSample) -> VmState:
+        return self.states.get(vm.name) or VmState()
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, inputs: Inputs) -> Plan: ...
+
+
+def _mib(size: float) -> str:
+    return format_size(size)
+
+
+# ---------------------------------------------------------------------------
+# thinvm
+
+
+@dataclass(frozen=True)
+class ThinvmParams:
+    """Tuning of the thinvm policy; every default is explained in docs/balance.md."""
+
+    stale_after: float = 0.0  # 0: three intervals plus two seconds
+    host_reserve_fraction: float = 0.08  # of the host total, kept free
+    host_reserve_min: int = 128 * MiB
+    psi_some_high: float = 10.0  # host memory some avg10 (%): pressure
+    psi_full_high: float = 2.0  # host memory full avg10 (%): critical
+    headroom_fraction: float = 0.12  # of the guest's RAM, kept free in it
+    headroom_min: int = 96 * MiB
+    inflate_step: int = 128 * MiB  # most a guest shrinks per cycle
+    inflate_step_pressure: int = 256 * MiB  # ... when the host is under pressure
+    stress_boost_fraction: float = 0.25  # of the guest's RAM, given at a stall
+    dead_band: int = 16 * MiB  # smaller changes are not worth a request
+    calm_cycles: int = 2  # quiet cycles before a guest may shrink
+    stress_cooldown: int = 6  # cycles without shrinking after a stall
+    stuck_limit: int = 5  # cycles a target may go unfollowed
+    retry_after: int = 60  # cycles before asking an unresponsive driver again
+    tolerance: int = 8 * MiB  # |actual - target| that counts as reached
+
+
+@dataclass(frozen=True)
+class _HostView:
+    reserve: int
+    spare: int  # available beyond the reserve; negative: reclaim this much
+    pressure: bool
+    critical: bool
+    why: str
+
+
+def _host_view(host: HostSample, params: ThinvmParams) -> _HostView:
+    reserve = max(params.host_reserve_min, int(host.total * params.host_reserve_fraction))
+    spare = host.available - reserve
+    some = host.psi_some_avg10 or 0.0
+    full = host.psi_full_avg10 or 0.0
+    critical = full >= params.psi_full_high or host.available < reserve // 2
+    pressure = critical or some >= params.psi_some_high or spare < 0
+    why = (
+        f"host available {_mib(host.available)}, reserve {_mib(reserve)}, "
+        f"PSI some {some:.1f}% full {full:.1f}%"
+    )
+    return _HostView(reserve, spare, pressure, critical, why)
+
+
+@dataclass
+class _Want:
+    """One VM's wish for this cycle, before the host budget is applied."""
+
+    vm: VmSample
+    limits: VmLimits
+    state: VmState
+    desired: int | None  # None: leave the target alone
+    reason: str
+    stressed: bool = False
+    may_shrink: bool = False
+    cancel: bool = False  # the driver did not follow: set target = actual
+
+
+class ThinvmPolicy:
+    name = "thinvm"
+
+    def __init__(self, params: ThinvmParams | None = None) -> None:
+        self.params = params or ThinvmParams()
+
+    def stale_after(self, interval: float) -> float:
+        return self.params.stale_after or 3 * interval + 2.0
+
+    def decide(self, inputs: Inputs) -> Plan:
+        host = _host_view(inputs.host, self.params)
+        wants = [self._want(inputs, vm, host) for vm in inputs.vms]
+        decisions: dict[str, Decision] = {}
+        states: dict[str, VmState] = {}
+        self._grant_growth(wants, host, decisions)
+        for want in wants:
+            if want.vm.name not in decisions:
+                decisions[want.vm.name] = self._shrink_or_hold(want, host, inputs.cycle)
+            decision = decisions[want.vm.name]
+            target = decision.target if decision.acts else want.state.target
+            states[want.vm.name] = want.state.but(target=target, reason=decision.reason)
+        return Plan([decisions[vm.name] for vm in inputs.vms], states)
+
+    # -- per VM ------------------------------------------------------------
+    def _want(self, inputs: Inputs, vm: VmSample, host: _HostView) -> _Want:
+        p = self.params
+        limits, state = inputs.limits_of(vm), inputs.state_of(vm)
+        skip = _unmanaged(vm, limits)
+        if skip:
+            return _Want(vm, limits, state, None, skip)
+        assert vm.actual is not None
+        if state.given_up_until > inputs.cycle:
+            return _Want(
+                vm, limits, state, None,
+                f"driver did not follow; asking again at cycle {state.given_up_until}",
+            )  # fmt: skip
+        state, stuck = self._follow_check(vm.actual, state, inputs.cycle)
+        if stuck is not None:
+            why = (
+                f"driver did not follow target {_mib(state.target or 0)} for "
+                f"{p.stuck_limit} cycles: cancelled (target = actual); asking again at "
+                f"cycle {state.given_up_until}"
+            )
+            return _Want(vm, limits, state, stuck, why, cancel=True)
+        stats = vm.stats
+        if stats is None or stats.age > self.stale_after(inputs.interval):
+            age = "missing" if stats is None else f"{stats.age:.0f} s old"
+            state = state.but(calm_cycles=0, last_actual=vm.actual)
+            give_back = min(limits.ceiling, vm.actual + self._headroom(vm, 0))
+            return _Want(vm, limits, state, give_back, f"stats {age}: never shrink; give back")
+        assert stats.free is not None
+        deltas = {
+            k: v - state.counters[k] for k, v in stats.counters().items() if k in state.counters
+        }
+        bumped = {k: d for k, d in deltas.items() if d > 0}
+        used = vm.actual - stats.free
+        growth = used - state.last_used if state.last_used is not None else 0
+        headroom = self._headroom(vm, max(0, growth))
+        available = stats.available if stats.available is not None else stats.free
+        tight = available < headroom // 2
+        busy = growth > p.dead_band
+        known = state.last_used is not None  # a first sample says nothing about trends
+        calm = state.calm_cycles + 1 if known and not (bumped or tight or busy) else 0
+        state = state.but(
+            counters=stats.counters(), last_used=used, last_actual=vm.actual, calm_cycles=calm
+        )
+        if bumped or tight:
+            if bumped:
+                why = "guest " + ", ".join(f"{k.replace('_', ' ')} +{d}" for k, d in bumped.items())
+            else:
+                why = f"guest available {_mib(available)} below half its headroom"
+            boost = max(headroom, int(vm.max_memory * p.stress_boost_fraction))
+            state = state.but(cooldown_until=inputs.cycle + p.stress_cooldown)
+            return _Want(vm, limits, state, min(limits.ceiling, vm.actual + boost),
+                         f"{why}: deflate at once", stressed=True)  # fmt: skip
+        # When the host is calm the guest keeps its page cache; under
+        # pressure only its free memory plus what it can drop counts.
+        spare_in_guest = (available if host.pressure else stats.free) - headroom
+        desired = _clamp(vm.actual - spare_in_guest, limits)
+        kind = "available" if host.pressure else "free"
+        reason = (
+            f"guest {kind} {_mib(available if host.pressure else stats.free)}, "
+            f"keeps {_mib(headroom)} headroom"
+        )
+        may_shrink = calm >= p.calm_cycles and inputs.cycle >= state.cooldown_until
+        return _Want(vm, limits, state, desired, reason, may_shrink=may_shrink)
+
+    def _headroom(self, vm: VmSample, growth: int) -> int:
+        p = self.params
+        base = max(p.headroom_min, int(vm.max_memory * p.headroom_fraction))
+        return base + growth  # a guest that grew last cycle may grow as much again
+
+    def _follow_check(self, actual: int, state: VmState, cycle: int) -> tuple[VmState, int | None]:
+        """Count cycles our target goes unfollowed; give up after stuck_limit.
+
+        A guest whose balloon driver is absent, wedged or cannot free the
+        memory leaves `actual` where it is.  Asking on is useless and, for a
+        guest that is out of memory, harmful: cancel by setting the target
+        to `actual`, and do not ask again for retry_after cycles.
+        """
+        p = self.params
+        if state.target is None or abs(actual - state.target) <= p.tolerance:
+            return state.but(stuck_cycles=0), None
+        moved = state.last_actual is None or abs(actual - state.last_actual) > p.tolerance
+        stuck = 0 if moved else state.stuck_cycles + 1
+        if stuck < p.stuck_limit:
+            return state.but(stuck_cycles=stuck), None
+        given_up = state.but(stuck_cycles=0, given_up_until=cycle + p.retry_after)
+        return given_up, actual
+
+    # -- the host budget ---------------------------------------------------
+    def _grant_growth(
+        self, wants: list[_Want], host: _HostView, decisions: dict[str, Decision]
+    ) -> None:
+        """Deflate fast, but only with memory the host has to spare.
+
+        Stuck-driver cancellations and restoring a floor always go through;
+        then stressed guests, then the rest; when the spare memory does not
+        cover every request it is split by shares.
+        """
+        spare = max(0, host.spare)
+        growing: list[_Want] = []
+        for want in wants:
+            if want.desired is None or want.vm.actual is None:
+                continue
+            current = _current_target(want)
+            if want.cancel:
+                decisions[want.vm.name] = Decision(want.vm.name, want.desired, want.reason)
+            elif current < want.limits.floor:
+                decisions[want.vm.name] = Decision(
+                    want.vm.name, want.limits.floor, f"below its floor: restore {want.reason}"
+                )
+            elif want.desired > current + self.params.dead_band:
+                growing.append(want)
+        for group in ([w for w in growing if w.stressed], [w for w in growing if not w.stressed]):
+            spare = self._split(group, spare, host, decisions)
+
+    def _split(
+        self, group: list[_Want], spare: int, host: _HostView, decisions: dict[str, Decision]
+    ) -> int:
+        asks = {w.vm.name: (w.desired or 0) - _current_target(w) for w in group}
+        total = sum(asks.values())
+        shares = sum(w.limits.shares for w in group) or 1
+        for want in group:
+            ask = asks[want.vm.name]
+            grant = ask if total <= spare else min(ask, spare * want.limits.shares // shares)
+            name = want.vm.name
+            if grant <= self.params.dead_band:
+                decisions[name] = Decision(
+                    name, None, f"{want.reason}; host cannot spare {_mib(ask)} ({host.why})"
+                )
+                continue
+            target = _clamp(_current_target(want) + grant, want.limits)
+            note = f"; {_mib(grant)} of {_mib(ask)} asked ({host.why})" if grant < ask else ""
+            decisions[name] = Decision(name, target, f"grow: {want.reason}{note}")
+            spare -= target - _current_target(want)
+        return max(0, spare)
+
+    def _shrink_or_hold(self, want: _Want, host: _HostView, cycle: int) -> Decision:
+        p, name = self.params, want.vm.name
+        if want.desired is None or want.vm.actual is None:
+            return Decision(name, None, want.reason)
+        current = _current_target(want)
+        if want.desired >= current - p.dead_band:
+            return Decision(name, None, f"hold: {want.reason}")
+        if not want.may_shrink:
+            return Decision(name, None, f"hold (waiting for calm): {want.reason}")
+        target = want.state.target
+        if target is not None and abs(want.vm.actual - target) > p.tolerance:
+            return Decision(name, None, f"hold: {_mib(target)} still in flight")
+        step = p.inflate_step_pressure if host.pressure else p.inflate_step
+        new = _clamp(max(want.desired, current - step), want.limits)
+        if new >= current - p.dead_band:
+            return Decision(name, None, f"hold at floor: {want.reason}")
+        capped = " (step cap)" if new > want.desired else ""
+        return Decision(name, new, f"shrink{capped}: {want.reason}")
+
+
+def _unmanaged(vm: VmSample, limits: VmLimits) -> str:
+    """Why the controller leaves this VM alone, or ''."""
+    if limits.shares == 0:
+        return "shares 0: not managed"
+    if vm.actual is None:
+        return "no balloon device"
+    if vm.migrating:
+        return "migrating: left alone"
+    if vm.backing is Backing.PINNED:
+        return "RAM pinned (VFIO/mlock): a balloon frees nothing"
+    if vm.backing is Backing.HUGETLBFS:
+        return "hugetlbfs RAM: the balloon frees only whole huge pages; left alone"
+    return ""
+
+
+def _current_target(want: _Want) -> int:
+    """Where the guest is heading: our last target, else where it is."""
+    assert want.vm.actual is not None
+    return want.state.target if want.state.target is not None else want.vm.actual
+
+
+def _clamp(size: int, limits: VmLimits) -> int:
+    if size >= limits.ceiling:
+        return limits.ceiling
+    return max(limits.floor, round_target(size))
+
+
+# ---------------------------------------------------------------------------
+# Proxmox VE pvestatd
+
+
+PVE_TARGET = 0.80  # "try to use ~80% host memory"
+PVE_MAXCHANGE = 100 * MiB  # per VM per pvestatd round
+PVE_ROUND = 10.0  # seconds between pvestatd rounds
+PVE_DEADBAND = 10 * MiB  # |goal| below this: do nothing
+PVE_DEFAULT_SHARES = 1000
+
+
+class ProxmoxPolicy:
+    """pvestatd's auto-ballooning, rule for rule.
+
+    Host memused = total - available; goal = 80% of total - memused.
+    VMs with a running driver, a floor (`balloon_min`), shares != 0, not
+    locked for migration and reporting free memory take part; those with
+    free memory <= 25% of their floor grow first and shrink last.  Memory
+    is split by shares above the floors, at most 100 MiB per VM per 10 s
+    (scaled to our interval so the rate is the same).
+    """
+
+    name = "proxmox"
+
+    def decide(self, inputs: Inputs) -> Plan:
+        host = inputs.host
+        memused = host.total - host.available
+        goal = int(host.total * PVE_TARGET - memused)
+        maxchange = max(1, int(PVE_MAXCHANGE * inputs.interval / PVE_ROUND))
+        comfortable, tight, others = self._partition(inputs)
+        res: dict[str, int] = {}
+        if goal > PVE_DEADBAND:
+            rest = self._change(inputs, res, tight, goal, maxchange)
+            if rest:
+                self._change(inputs, res, comfortable, rest, maxchange)
+        elif goal < -PVE_DEADBAND:
+            rest = self._change(inputs, res, comfortable, goal, maxchange)
+            if rest:
+                self._change(inputs, res, tight, rest, maxchange)
+        why = f"host used {_mib(memused)} of {_mib(host.total)}, goal {_mib(goal)}"
+        decisions, states = [], {}
+        for vm in inputs.vms:
+            state = inputs.state_of(vm)
+            if vm.name in others:
+                decision = Decision(vm.name, None, others[vm.name])
+            elif vm.name in res and res[vm.name] != vm.actual:
+                decision = Decision(vm.name, res[vm.name], f"share of {why}")
+            else:
+                decision = Decision(vm.name, None, f"no change ({why})")
+            decisions.append(decision)
+            target = decision.target if decision.acts else state.target
+            states[vm.name] = state.but(target=target, reason=decision.reason)
+        return Plan(decisions, states)
+
+    def _partition(self, inputs: Inputs) -> tuple[list[VmSample], list[VmSample], dict[str, str]]:
+        comfortable, tight, others = [], [], {}
+        for vm in inputs.vms:
+            limits = inputs.limits_of(vm)
+            if not vm.actual:
+                others[vm.name] = "balloon driver not running"
+            elif not limits.floor:
+                others[vm.name] = "no balloon floor configured"
+            elif vm.migrating:
+                others[vm.name] = "locked for migration"
+            elif limits.shares == 0:
+                others[vm.name] = "shares 0"
+            elif vm.stats is None or vm.stats.free is None:
+                others[vm.name] = "no free memory reported"
+            elif vm.stats.free > limits.floor * 0.25:
+                comfortable.append(vm)
+            else:
+                tight.append(vm)
+        return comfortable, tight, others
+
+    def _change(
+        self, inputs: Inputs, res: dict[str, int], vms: list[VmSample], nbytes: int, maxchange: int
+    ) -> int:
+        """compute_alg1's change_func: move `nbytes` across `vms` by shares."""
+        rest, repeat, progress = nbytes, True, 1
+        done: set[str] = set()
+        while rest and repeat and progress:
+            repeat, progress = False, 0
+            live = [vm for vm in vms if vm.name not in done]
+            alloc_old = 0
+            shares_total = 0
+            for vm in live:
+                limits = inputs.limits_of(vm)
+                balloon = res.get(vm.name, vm.actual or 0)
+                alloc_old += balloon - limits.floor
+                shares_total += limits.shares or PVE_DEFAULT_SHARES
+            alloc_new = alloc_old + rest
+            changes = 0
+            for vm in live:
+                limits = inputs.limits_of(vm)
+                actual = vm.actual or 0
+                shares = limits.shares or PVE_DEFAULT_SHARES
+                desired = limits.floor + int(alloc_new / shares_total * shares)
+                if desired > vm.max_memory:
+                    desired, repeat = vm.max_memory, True
+                elif desired < limits.floor:
+                    desired, repeat = limits.floor, True
+                if nbytes > 0 and desired - actual > 0:
+                    balloon = min(desired, actual + maxchange)
+                elif desired - actual < 0:
+                    balloon = max(desired, actual - maxchange)
+                else:
+                    done.add(vm.name)
+                    continue
+                diff = balloon - actual
+                if diff != 0:
+                    old = res.get(vm.name, actual)
+                    res[vm.name] = balloon
+                    change = balloon - old
+                    if change != 0:
+                        changes += change
+                        progress += abs(diff)
+                        repeat = True
+            rest -= changes
+        return rest
+
+
+# ---------------------------------------------------------------------------
+# oVirt MOM
+
+
+MOM_PRESSURE_THRESHOLD = 0.20
+MOM_PRESSURE_CRITICAL = 0.05
+MOM_MIN_GUEST_FREE = 0.20
+MOM_MAX_CHANGE = 0.05  # of balloon_cur per 10 s policy cycle
+MOM_MIN_CHANGE = 0.0025
+MOM_ROUND = 10.0
+MOM_HISTORY = 10  # StatAvg: mean of the last sample-history-length samples
+
+
+class MomPolicy:
+    """oVirt MOM's balloon.rules, rule for rule.
+
+    host_free_percent = host free / host total.  Below 20% every guest
+    shrinks toward used + free% x cur, where free% scales with host
+    pressure (negative when critical: below 5% the guest is made to
+    swap); otherwise every ballooned guest grows by 5% a cycle.  Changes
+    below 0.25% of balloon_cur are skipped.  Guests without statistics
+    are not in MOM's guest list.  The 5% cap is per 10 s, scaled to our
+    interval.
+    """
+
+    name = "mom"
+
+    def decide(self, inputs: Inputs) -> Plan:
+        host = inputs.host
+        host_free = host.available / host.total if host.total else 0.0
+        max_change = MOM_MAX_CHANGE * min(1.0, inputs.interval / MOM_ROUND)
+        decisions, states = [], {}
+        for vm in inputs.vms:
+            state = inputs.state_of(vm)
+            limits = inputs.limits_of(vm)
+            if vm.actual is None or vm.stats is None or vm.stats.free is None:
+                decision = Decision(vm.name, None, "no statistics: not a MOM guest")
+            else:
+                history = (*state.history, (vm.actual, vm.stats.free))[-MOM_HISTORY:]
+                state = state.but(history=history)
+                if host_free < MOM_PRESSURE_THRESHOLD:
+                    decision = self._shrink(vm, limits, history, host_free, max_change)
+                else:
+                    decision = self._grow(vm, limits, history, host_free, max_change)
+            decisions.append(decision)
+            target = decision.target if decision.acts else state.target
+            states[vm.name] = state.but(target=target, reason=decision.reason)
+        return Plan(decisions, states)
+
+    @staticmethod
+    def _used(history: tuple[tuple[int, int], ...]) -> float:
+        cur = sum(a for a, _ in history) / len(history)
+        unused = sum(f for _, f in history) / len(history)
+        return cur - unused
+
+    def _shrink(
+        self,
+        vm: VmSample,
+        limits: VmLimits,
+        history: tuple[tuple[int, int], ...],
+        host_free: float,
+        max_change: float,
+    ) -> Decision:
+        cur = vm.actual or 0
+        if host_free <= MOM_PRESSURE_CRITICAL:
+            guest_free = -0.05 + host_free
+        else:
+            guest_free = MOM_MIN_GUEST_FREE * (host_free / MOM_PRESSURE_THRESHOLD)
+        balloon_min = max(limits.floor, self._used(history) + guest_free * cur)
+        size = max(cur * (1 - max_change), balloon_min)
+        why = f"host free {host_free:.0%} < {MOM_PRESSURE_THRESHOLD:.0%}: shrink"
+        return self._control(vm, limits, size, why)
+
+    def _grow(
+        self,
+        vm: VmSample,
+        limits: VmLimits,
+        history: tuple[tuple[int, int], ...],
+        host_free: float,
+        max_change: float,
+    ) -> Decision:
+        cur = vm.actual or 0
+        if cur >= limits.ceiling:
+            return Decision(vm.name, None, f"host free {host_free:.0%}: at its maximum")
+        balloon_min = max(limits.floor, self._used(history) + MOM_MIN_GUEST_FREE * cur)
+        size = min(cur * (1 + max_change), limits.ceiling)
+        size = max(size, balloon_min)
+        return self._control(vm, limits, size, f"host free {host_free:.0%}: grow")
+
+    @staticmethod
+    def _control(vm: VmSample, limits: VmLimits, size: float, why: str) -> Decision:
+        cur = vm.actual or 0
+        target = int(size)
+        if target > limits.ceiling:
+            return Decision(vm.name, None, f"{why}: {_mib(target)} above the maximum")
+        if abs(target - cur) <= MOM_MIN_CHANGE * cur:
+            return Decision(vm.name, None, f"{why}: change below {MOM_MIN_CHANGE:.2%}")
+        return Decision(vm.name, target, why)
+
+
+POLICIES: dict[str, type[ThinvmPolicy] | type[ProxmoxPolicy] | type[MomPolicy]] = {
+    "thinvm": ThinvmPolicy,
+    "proxmox": ProxmoxPolicy,
+    "mom": MomPolicy,
+}
+
+
+def make_policy(name: str) -> Policy:
+    from thinvm.errors import ThinvmError
+
+    if name not in POLICIES:
+        raise ThinvmError(f"unknown policy {name!r}: choose {', '.join(POLICIES)}")
+    return POLICIES[name]()
