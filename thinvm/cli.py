@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from thinvm import pool
+from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
@@ -475,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     add_pool_parsers(sub)
+    balance_cli.add_parsers(sub)
     return parser
 
 

@@ -1,0 +1,331 @@
+"""Where samples come from and where targets go: thinvm VMs, libvirt, the host.
+
+A VM backend lists the VMs it manages, samples them and sets balloon
+targets.  A host source says how much memory the guests share.  Both are
+small so the daemon, the tests and the benchmark can swap them.
+"""
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from thinvm.balance.model import Backing, HostSample, VmSample, parse_guest_stats
+from thinvm.errors import ThinvmError
+from thinvm.host.cgroups import cgroup_usage
+from thinvm.host.memory import host_meminfo, process_memory
+from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
+from thinvm.paths import run_dir
+from thinvm.units import KiB
+
+STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
+
+
+class VmBackend(Protocol):
+    name: str
+
+    def sample(self) -> list[VmSample]: ...
+
+    def set_target(self, vm: str, target: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class HostSource(Protocol):
+    def sample(self) -> HostSample: ...
+
+
+# -- host sources --------------------------------------------------------------
+
+
+def _with_psi(total: int, available: int, swap_used: int, psi: Psi | None) -> HostSample:
+    return HostSample(
+        total=total,
+        available=available,
+        swap_used=swap_used,
+        psi_some_avg10=psi.some_avg10 if psi else None,
+        psi_full_avg10=psi.full_avg10 if psi else None,
+        psi_some_avg60=psi.some_avg60 if psi else None,
+        psi_full_avg60=psi.full_avg60 if psi else None,
+    )
+
+
+class WholeHost:
+    """The machine: MemTotal, MemAvailable, swap in use, /proc/pressure/memory."""
+
+    def sample(self) -> HostSample:
+        info = host_meminfo()
+        swap_used = info.get("SwapTotal", 0) - info.get("SwapFree", 0)
+        return _with_psi(info["MemTotal"], info["MemAvailable"], swap_used, read_psi())
+
+
+class CgroupBudget:
+    """A memory cgroup holding the guests: its limit is what they share.
+
+    Pressure comes from the cgroup's own memory.pressure on cgroup v2; v1
+    has none, so the host's PSI stands in.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def sample(self) -> HostSample:
+        usage = cgroup_usage(self.name)
+        if usage is None or usage.usage is None:
+            raise ThinvmError(f"memory cgroup {self.name!r} does not exist: create it first")
+        info = host_meminfo()
+        limit = usage.limit if usage.limit is not None and usage.limit < info["MemTotal"] else None
+        total = limit if limit is not None else info["MemTotal"]
+        available = min(total - usage.usage, info["MemAvailable"])
+        psi = read_cgroup_psi(Path(usage.path)) or read_psi()
+        return _with_psi(total, available, usage.swap or 0, psi)
+
+
+class RssBudget:
+    """A budget of `limit` bytes for the combined host RSS of the guests.
+
+    No kernel enforces it: it tells the policy how much memory it may give
+    out, as a smaller host would, without making the real host swap.  The
+    real host's MemAvailable still caps it, and PSI is the real host's.
+    """
+
+    def __init__(self, limit: int, pids: Callable[[], Sequence[int]]) -> None:
+        self.limit = limit
+        self.pids = pids
+
+    def used(self) -> int:
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                total += process_memory(pid).rss
+        return total
+
+    def sample(self) -> HostSample:
+        info = host_meminfo()
+        available = min(self.limit - self.used(), info["MemAvailable"])
+        return _with_psi(self.limit, available, 0, read_psi())
+
+
+# -- thinvm VMs ----------------------------------------------------------------
+
+
+def _backing_of(config: Any, rss_thp: int) -> Backing:
+    backend = str(config.backend)
+    if config.pool is not None:
+        return Backing.POOL
+    if backend.startswith("file:") and "huge" in backend:
+        return Backing.HUGETLBFS
+    return Backing.THP if rss_thp > 0 else Backing.ANONYMOUS
+
+
+class ThinvmBackend:
+    """VMs started by thinvm: detached ones (`thinvm up`) or VM objects given.
+
+    Talks QMP through each VM's monitor (thinvm.vm.balloon).  Turns on
+    statistics polling on a VM that has it off, since without statistics
+    the controller never shrinks a guest.
+    """
+
+    name = "thinvm"
+
+    def __init__(self, vms: Sequence[Any] | None = None, names: Sequence[str] = ()) -> None:
+        self._given = list(vms) if vms is not None else None
+        self._names = set(names)  # only these detached VMs; empty: all
+        self._attached: dict[str, Any] = {}
+
+    def _vms(self) -> list[Any]:
+        if self._given is not None:
+            return [vm for vm in self._given if vm.alive()]
+        from thinvm.vm.machine import VM
+
+        names = sorted(p.parent.name for p in run_dir().glob("*/state.json"))
+        if self._names:
+            names = [name for name in names if name in self._names]
+        for gone in set(self._attached) - set(names):
+            self._attached.pop(gone).disconnect()
+        for name in names:
+            if name in self._attached and not self._attached[name].alive():
+                self._attached.pop(name).disconnect()
+            if name not in self._attached:
+                with contextlib.suppress(ThinvmError, OSError):
+                    self._attached[name] = VM.attach(run_dir() / name)
+        return list(self._attached.values())
+
+    def pids(self) -> list[int]:
+        return [vm.pid for vm in self._vms() if vm.pid is not None]
+
+    def sample(self) -> list[VmSample]:
+        samples = []
+        for vm in self._vms():
+            with contextlib.suppress(ThinvmError, OSError, TimeoutError):
+                samples.append(self._sample_one(vm))
+        return samples
+
+    def _sample_one(self, vm: Any) -> VmSample:
+        from thinvm.vm import balloon
+
+        name, config = vm.config.name, vm.config
+        mem = vm.host_memory()
+        if not config.balloon.enabled:
+            return VmSample(name, config.memory, None, host_rss=mem.rss)
+        actual = balloon.query(vm).actual
+        polling = "guest-stats-polling-interval"
+        if vm.qmp("qom-get", path=balloon.BALLOON_PATH, property=polling) < 1:
+            balloon.enable_stats(vm, STATS_POLL_SECONDS)
+        stats = parse_guest_stats(balloon.stats(vm), now=time.time())
+        status = vm.qmp("query-migrate").get("status", "none")
+        migrating = status in ("setup", "active", "pre-switchover", "device", "postcopy-active")
+        return VmSample(
+            name=name,
+            max_memory=config.memory,
+            actual=actual,
+            stats=stats,
+            migrating=migrating,
+            backing=_backing_of(config, mem.anon_huge),
+            host_rss=mem.rss,
+        )
+
+    def set_target(self, vm: str, target: int) -> None:
+        from thinvm.vm import balloon
+
+        for machine in self._vms():
+            if machine.config.name == vm:
+                balloon.set_target(machine, target)
+                return
+        raise ThinvmError(f"VM {vm!r} is gone")
+
+    def close(self) -> None:
+        for vm in self._attached.values():
+            vm.disconnect()
+        self._attached.clear()
+
+
+# -- libvirt -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DomainStats:
+    """One domain's `virsh domstats --balloon` block, in bytes."""
+
+    name: str
+    values: dict[str, int]
+
+
+def parse_domstats(text: str) -> list[DomainStats]:
+    """Parse `virsh domstats --balloon` (KiB except faults and last-update)."""
+    domains: list[DomainStats] = []
+    name, values = "", dict[str, int]()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Domain:"):
+            if name:
+                domains.append(DomainStats(name, values))
+            name, values = line.split(":", 1)[1].strip().strip("'"), {}
+        elif "=" in line and name:
+            key, _, value = line.partition("=")
+            with contextlib.suppress(ValueError):
+                values[key.strip()] = int(value)
+    if name:
+        domains.append(DomainStats(name, values))
+    return domains
+
+
+# libvirt's balloon stats -> QMP's names (libvirt reports KiB; faults are counts).
+_LIBVIRT_TO_QMP = {
+    "balloon.unused": "stat-free-memory",
+    "balloon.usable": "stat-available-memory",
+    "balloon.available": "stat-total-memory",
+    "balloon.disk_caches": "stat-disk-caches",
+    "balloon.swap_in": "stat-swap-in",
+    "balloon.swap_out": "stat-swap-out",
+}
+_COUNTS = {"balloon.major_fault": "stat-major-faults"}
+
+
+def domain_sample(dom: DomainStats, now: float, migrating: bool = False) -> VmSample:
+    """A VmSample from libvirt's balloon statistics of one domain."""
+    v = dom.values
+    stats: dict[str, int] = {q: v[k] * KiB for k, q in _LIBVIRT_TO_QMP.items() if k in v}
+    stats.update({q: v[k] for k, q in _COUNTS.items() if k in v})
+    guest = parse_guest_stats({"last-update": v.get("balloon.last-update", 0), "stats": stats}, now)
+    actual = v.get("balloon.current")
+    maximum = v.get("balloon.maximum", actual or 0)
+    return VmSample(
+        name=dom.name,
+        max_memory=maximum * KiB,
+        actual=actual * KiB if actual else None,
+        stats=guest,
+        migrating=migrating,
+        host_rss=v["balloon.rss"] * KiB if "balloon.rss" in v else None,
+    )
+
+
+def migrating_from_jobinfo(text: str) -> bool:
+    """`virsh domjobinfo`: an active job whose operation is a migration."""
+    pairs = (line.partition(":") for line in text.splitlines())
+    fields = {key.strip(): value.strip() for key, _, value in pairs}
+    return fields.get("Job type", "None") != "None" and "igration" in fields.get("Operation", "")
+
+
+class LibvirtBackend:
+    """libvirt domains through `virsh -c URI` (domstats, domjobinfo, setmem).
+
+    virsh keeps the controller free of the libvirt Python binding, which
+    needs libvirt's headers to build; it costs a process per call, which
+    is nothing at one cycle every few seconds.  libvirt (11.3) does not
+    pass on Linux 6.12's stall and reclaim statistics, so with this
+    backend the thinvm policy sees only free/available memory.
+    """
+
+    name = "libvirt"
+
+    def __init__(
+        self, uri: str, stats_period: int = STATS_POLL_SECONDS, names: Sequence[str] = ()
+    ) -> None:
+        self.uri = uri
+        self._names = set(names)
+        self.stats_period = stats_period
+        self._period_set: set[str] = set()
+
+    def _virsh(self, *args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["virsh", "-c", self.uri, *args],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        except FileNotFoundError as exc:
+            raise ThinvmError("virsh not found: install libvirt-clients") from exc
+        if done.returncode != 0:
+            raise ThinvmError(f"virsh {' '.join(args)}: {done.stderr.strip() or done.stdout}")
+        return done.stdout
+
+    def sample(self) -> list[VmSample]:
+        domains = parse_domstats(self._virsh("domstats", "--balloon", "--list-running"))
+        if self._names:
+            domains = [dom for dom in domains if dom.name in self._names]
+        now = time.time()
+        samples = []
+        for dom in domains:
+            if dom.name not in self._period_set:
+                with contextlib.suppress(ThinvmError):
+                    period = str(self.stats_period)
+                    self._virsh("dommemstat", dom.name, "--period", period, "--live")
+                self._period_set.add(dom.name)
+            try:
+                migrating = migrating_from_jobinfo(self._virsh("domjobinfo", dom.name))
+            except ThinvmError:
+                migrating = False
+            samples.append(domain_sample(dom, now, migrating))
+        return samples
+
+    def set_target(self, vm: str, target: int) -> None:
+        self._virsh("setmem", vm, str(target // KiB), "--live")  # KiB
+
+    def close(self) -> None:
+        pass

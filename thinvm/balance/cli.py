@@ -1,0 +1,119 @@
+"""`thinvm balance run|status`: a thin layer over thinvm.balance.daemon."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from thinvm.balance.backends import (
+    CgroupBudget,
+    HostSource,
+    LibvirtBackend,
+    RssBudget,
+    ThinvmBackend,
+    VmBackend,
+    WholeHost,
+)
+from thinvm.balance.daemon import Controller, default_state_path, format_status, load_status
+from thinvm.balance.model import VmLimits
+from thinvm.balance.policies import POLICIES, make_policy
+from thinvm.errors import ThinvmError
+from thinvm.units import parse_size
+
+
+def _limits_factory(args: argparse.Namespace) -> "LimitsFromArgs":
+    floor = parse_size(args.floor) if args.floor else None
+    return LimitsFromArgs(floor, args.floor_fraction)
+
+
+class LimitsFromArgs:
+    """Per-VM floor from --floor / --floor-fraction; ceiling = the VM's RAM."""
+
+    def __init__(self, floor: int | None, fraction: float | None) -> None:
+        self.floor, self.fraction = floor, fraction
+
+    def __call__(self, max_memory: int) -> VmLimits:
+        default = VmLimits.default_for(max_memory)
+        floor = default.floor
+        if self.fraction is not None:
+            floor = int(max_memory * self.fraction)
+        if self.floor is not None:
+            floor = self.floor
+        return VmLimits(floor=min(floor, max_memory), ceiling=max_memory)
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise ThinvmError(f"--interval must be positive, not {args.interval}")
+    backend: VmBackend
+    if args.connect:
+        backend = LibvirtBackend(args.connect, names=args.vm)
+    else:
+        backend = ThinvmBackend(names=args.vm)
+    host: HostSource = WholeHost()
+    if args.cgroup:
+        host = CgroupBudget(args.cgroup)
+    elif args.budget:
+        if not isinstance(backend, ThinvmBackend):
+            raise ThinvmError("--budget counts thinvm VMs' RSS: use --cgroup with --connect")
+        host = RssBudget(parse_size(args.budget), backend.pids)
+    controller = Controller(
+        backend=backend,
+        host=host,
+        policy=make_policy(args.policy),
+        interval=args.interval,
+        state_path=Path(args.state) if args.state else default_state_path(),
+        dry_run=args.dry_run,
+        default_limits=_limits_factory(args),
+        log=_log,
+        verbose=args.verbose,
+    )
+    controller.resume()
+    _log(
+        f"balance: policy {args.policy}, backend {backend.name}, every {args.interval:g} s"
+        f"{' (dry run: no targets are set)' if args.dry_run else ''}; "
+        f"state {controller.state_path}"
+    )
+    controller.run(cycles=args.cycles)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    data = load_status(Path(args.state) if args.state else default_state_path())
+    print(json.dumps(data, indent=1) if args.json else "\n".join(format_status(data)))
+    return 0
+
+
+def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    group = sub.add_parser("balance", help="automatic balloon controller (docs/balance.md)")
+    bsub = group.add_subparsers(dest="balance_command", required=True)
+    p = bsub.add_parser("run", help="run the controller in the foreground")
+    p.add_argument("--policy", default="thinvm", choices=sorted(POLICIES))
+    p.add_argument("--dry-run", action="store_true", help="print decisions, set nothing")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (5)")
+    p.add_argument("--connect", metavar="URI", help="libvirt domains at URI, not thinvm VMs")
+    p.add_argument(
+        "--vm", action="append", default=[], help="manage only this VM/domain (repeatable)"
+    )
+    p.add_argument("--cgroup", help="the guests share this memory cgroup's limit")
+    p.add_argument("--budget", help="the guests share this much host RSS (e.g. 3G)")
+    p.add_argument("--floor", help="never balloon a guest below this (default: 1/4 of its RAM)")
+    p.add_argument("--floor-fraction", type=float, help="floor as a fraction of guest RAM")
+    p.add_argument("--cycles", type=int, help="stop after this many cycles")
+    p.add_argument("--state", help=f"state file (default {default_state_path()})")
+    p.add_argument("--verbose", "-v", action="store_true", help="also log decisions to hold")
+    p.set_defaults(func=cmd_run)
+    p = bsub.add_parser("status", help="per-VM targets and why, from the state file")
+    p.add_argument("--state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+
+if __name__ == "__main__":
+    from thinvm.cli import main
+
+    sys.exit(main(["balance", *sys.argv[1:]]))

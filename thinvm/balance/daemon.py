@@ -1,0 +1,266 @@
+"""The balance loop: sample, decide, record, act; one per host.
+
+Every cycle the controller samples the host and every VM, asks the policy
+for targets, writes its state file (targets and reasons, before acting),
+then sets the targets that changed and logs each with its reason.
+
+Killing it at any moment leaves every guest with a valid target: QEMU
+keeps the last `balloon` value it got, and a target is one QMP command,
+sent whole or not at all.  The state file is written before the targets
+are sent, so a restart knows every target that may have been sent; it
+sends them again (idempotent) and carries on from the saved state.
+"""
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from thinvm.balance.backends import HostSource, VmBackend
+from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
+from thinvm.balance.policies import Inputs, Policy
+from thinvm.errors import ThinvmError
+from thinvm.paths import cache_dir
+from thinvm.units import format_size
+
+STATE_VERSION = 1
+
+
+def default_state_path() -> Path:
+    return cache_dir() / "balance" / "state.json"
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "w") as out:
+        json.dump(data, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class CycleReport:
+    cycle: int
+    host: HostSample
+    samples: list[VmSample]
+    decisions: list[Decision]
+    actions: int  # targets actually sent
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Controller:
+    """One balance loop over one backend and one host budget."""
+
+    backend: VmBackend
+    host: HostSource
+    policy: Policy
+    interval: float = 5.0
+    state_path: Path | None = None
+    dry_run: bool = False
+    limits: Mapping[str, VmLimits] = field(default_factory=dict)
+    default_limits: Callable[[int], VmLimits] = VmLimits.default_for
+    log: Callable[[str], None] = print
+    verbose: bool = False
+    cycle: int = 0
+    states: dict[str, VmState] = field(default_factory=dict)
+    actions: int = 0
+
+    # -- state file --------------------------------------------------------
+    def resume(self) -> None:
+        """Carry on from the state file of an earlier run of the same policy."""
+        if self.state_path is None or not self.state_path.is_file():
+            return
+        try:
+            saved = json.loads(self.state_path.read_text())
+        except (OSError, ValueError) as exc:
+            self.log(f"{_stamp()} state file {self.state_path} unreadable ({exc}): starting fresh")
+            return
+        if saved.get("version") != STATE_VERSION or saved.get("policy") != self.policy.name:
+            self.log(f"{_stamp()} state file is for policy {saved.get('policy')!r}: starting fresh")
+            return
+        self.cycle = int(saved.get("cycle", 0)) + 1
+        self.actions = int(saved.get("actions", 0))
+        self.states = {
+            name: VmState.from_json(vm["state"]) for name, vm in saved.get("vms", {}).items()
+        }
+        self.log(f"{_stamp()} resumed at cycle {self.cycle} with {len(self.states)} VMs")
+        if saved.get("dry_run") or self.dry_run:
+            return
+        # A target may or may not have reached QEMU before the kill: send it again.
+        for name, state in self.states.items():
+            if state.target is None:
+                continue
+            try:
+                self.backend.set_target(name, state.target)
+                self.log(f"{_stamp()} {name}: resume: target {format_size(state.target)} re-sent")
+            except ThinvmError as exc:
+                self.log(f"{_stamp()} {name}: resume: {exc}")
+
+    def _save(self, report: CycleReport, finished: bool) -> None:
+        if self.state_path is None:
+            return
+        decisions = {d.vm: d for d in report.decisions}
+        vms = {}
+        for sample in report.samples:
+            state = self.states.get(sample.name, VmState())
+            decision = decisions.get(sample.name)
+            vms[sample.name] = {
+                "actual": sample.actual,
+                "max_memory": sample.max_memory,
+                "target": state.target,
+                "reason": decision.reason if decision else state.reason,
+                "acted": bool(decision and decision.acts),
+                "stats_age": sample.stats.age if sample.stats else None,
+                "host_rss": sample.host_rss,
+                "state": state.to_json(),
+            }
+        write_json_atomic(
+            self.state_path,
+            {
+                "version": STATE_VERSION,
+                "policy": self.policy.name,
+                "backend": self.backend.name,
+                "pid": os.getpid(),
+                "dry_run": self.dry_run,
+                "interval": self.interval,
+                "cycle": report.cycle,
+                "time": time.time(),
+                "finished": finished,
+                "actions": self.actions,
+                "host": asdict(report.host),
+                "vms": vms,
+                "errors": report.errors,
+            },
+        )
+
+    # -- one cycle ---------------------------------------------------------
+    def _limits(self, samples: list[VmSample]) -> dict[str, VmLimits]:
+        return {
+            s.name: self.limits.get(s.name) or self.default_limits(s.max_memory) for s in samples
+        }
+
+    def step(self) -> CycleReport:
+        host = self.host.sample()
+        samples = self.backend.sample()
+        inputs = Inputs(
+            self.cycle, self.interval, host, samples, self._limits(samples), self.states
+        )
+        plan = self.policy.decide(inputs)
+        previous = dict(self.states)
+        self.states = {s.name: plan.states.get(s.name, VmState()) for s in samples}
+        report = CycleReport(self.cycle, host, samples, plan.decisions, 0)
+        self._save(report, finished=False)  # before acting: a restart re-sends these
+        by_name = {s.name: s for s in samples}
+        for decision in plan.decisions:
+            self._act(decision, by_name[decision.vm], previous, report)
+        if report.errors:
+            self._save(report, finished=True)
+        self.cycle += 1
+        return report
+
+    def _act(
+        self,
+        decision: Decision,
+        sample: VmSample,
+        previous: dict[str, VmState],
+        report: CycleReport,
+    ) -> None:
+        where = f"{_stamp()} cycle {report.cycle} {decision.vm}"
+        if not decision.acts:
+            if self.verbose:
+                self.log(f"{where}: {decision.reason}")
+            return
+        assert decision.target is not None
+        change = f"{format_size(sample.actual or 0)} -> {format_size(decision.target)}"
+        if self.dry_run:
+            self.log(f"{where}: would set {change}: {decision.reason}")
+            return
+        try:
+            self.backend.set_target(decision.vm, decision.target)
+        except (ThinvmError, OSError, TimeoutError) as exc:
+            report.errors.append(f"{decision.vm}: {exc}")
+            self.states[decision.vm] = self.states[decision.vm].but(
+                target=previous.get(decision.vm, VmState()).target
+            )
+            self.log(f"{where}: FAILED to set {change}: {exc}")
+            return
+        report.actions += 1
+        self.actions += 1
+        self.log(f"{where}: set {change}: {decision.reason}")
+
+    def run(self, cycles: int | None = None, stop: Callable[[], bool] | None = None) -> None:
+        """Cycle every `interval` seconds until `cycles` are done or `stop()`."""
+        done = 0
+        try:
+            while cycles is None or done < cycles:
+                started = time.monotonic()
+                self.step()
+                done += 1
+                if (cycles is not None and done >= cycles) or (stop and stop()):
+                    break
+                remaining = self.interval - (time.monotonic() - started)
+                deadline = time.monotonic() + max(0.0, remaining)
+                while time.monotonic() < deadline:
+                    if stop and stop():
+                        return
+                    time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        finally:
+            self.backend.close()
+
+
+# -- status ------------------------------------------------------------------
+
+
+def load_status(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ThinvmError(f"no balance state at {path}: start 'thinvm balance run' first")
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ThinvmError(f"balance state {path} is not JSON: {exc}") from exc
+    return data
+
+
+def _running(pid: int | None) -> bool:
+    if not pid:
+        return False
+    with contextlib.suppress(OSError):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"balance" in cmdline
+    return False
+
+
+def format_status(data: dict[str, Any], now: float | None = None) -> list[str]:
+    now = time.time() if now is None else now
+    age = now - float(data.get("time", now))
+    alive = "running" if _running(data.get("pid")) else "not running"
+    mode = " (dry run)" if data.get("dry_run") else ""
+    host = data.get("host", {})
+    lines = [
+        f"policy {data.get('policy')}{mode}, backend {data.get('backend')}, pid {data.get('pid')} "
+        f"{alive}; cycle {data.get('cycle')} {age:.0f} s ago; {data.get('actions', 0)} targets set",
+        f"host: {format_size(host.get('available', 0))} available of "
+        f"{format_size(host.get('total', 0))}, swap used {format_size(host.get('swap_used', 0))}, "
+        f"PSI some {host.get('psi_some_avg10')} full {host.get('psi_full_avg10')}",
+    ]
+    for name, vm in sorted(data.get("vms", {}).items()):
+        actual = vm.get("actual")
+        target = vm.get("target")
+        lines.append(
+            f"  {name}: actual {format_size(actual) if actual is not None else '-'}, "
+            f"target {format_size(target) if target is not None else 'never set'} "
+            f"of {format_size(vm.get('max_memory', 0))}: {vm.get('reason', '')}"
+        )
+    return lines
