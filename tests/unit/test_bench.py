@@ -93,6 +93,54 @@ def test_ratio_falls_back_to_first_variant_reporting_the_metric() -> None:
     assert summary["hint"]["rate"]["ratio_to"] == "alone"
 
 
+def test_a_variant_can_name_its_own_reference() -> None:
+    runs = [
+        _run("4G-stock", 1, ms=100.0),
+        _run("4G-thinvm", 1, ms=50.0),
+        _run("8G-stock", 1, ms=300.0, extra=1),
+        _run("8G-thinvm", 1, ms=60.0),
+    ]
+    refs = {"4G-thinvm": "4G-stock", "8G-thinvm": "8G-stock"}
+    variants = ["4G-stock", "4G-thinvm", "8G-stock", "8G-thinvm"]
+    summary = bench.summarize_runs(runs, variants, "4G-stock", refs)
+    assert summary["8G-thinvm"]["ms"]["ratio"] == pytest.approx(0.2)
+    assert summary["8G-thinvm"]["ms"]["ratio_to"] == "8G-stock"
+    assert summary["8G-stock"]["ms"]["ratio"] == 3.0  # growth: against the baseline
+    assert summary["8G-stock"]["ms"]["ratio_to"] == "4G-stock"
+    assert summary["4G-thinvm"]["ms"]["ratio"] == 0.5
+    # The baseline does not report `extra`: 8G-stock is the first that does.
+    assert summary["8G-stock"]["extra"]["ratio"] is None
+
+
+def test_a_reference_without_the_metric_falls_back_to_the_baseline() -> None:
+    runs = [
+        _run("base", 1, ms=100.0, rate=10.0),
+        _run("ref", 1, ms=200.0),
+        _run("new", 1, ms=50.0, rate=5.0),
+    ]
+    summary = bench.summarize_runs(runs, ["base", "ref", "new"], "base", {"new": "ref"})
+    assert summary["new"]["ms"]["ratio_to"] == "ref"
+    assert summary["new"]["ms"]["ratio"] == 0.25
+    assert summary["new"]["rate"]["ratio_to"] == "base"
+    assert summary["new"]["rate"]["ratio"] == 0.5
+
+
+def test_targets_are_met_missed_or_not_measured() -> None:
+    runs = [_run("stock-best", 1, ms=900.0), _run("thinvm", 1, ms=250.0), _run("small", 1, ms=200)]
+    summary = bench.summarize_runs(runs, ["stock-best", "thinvm", "small"], "stock-best")
+    targets = [
+        bench.Target("3x faster", "thinvm", "stock-best", "ms", at_most=1 / 3),
+        bench.Target("within 1.2x of small", "thinvm", "small", "ms", at_most=1.2),
+        bench.Target("unmeasured", "ghost", "stock-best", "ms", at_most=1.0),
+    ]
+    evaluated = bench.evaluate_targets(summary, targets)
+    assert [t["met"] for t in evaluated] == [True, False, None]
+    assert evaluated[0]["ratio"] == pytest.approx(250 / 900)
+    assert evaluated[1]["ratio"] == pytest.approx(1.25)
+    assert evaluated[2]["ratio"] is None
+    assert evaluated[0]["label"] == "3x faster" and evaluated[0]["at_most"] == pytest.approx(1 / 3)
+
+
 def test_ratio_with_a_zero_reference() -> None:
     assert bench.ratio(0, 0) == 1.0
     assert bench.ratio(5, 0) is None
@@ -228,6 +276,49 @@ def test_scenario_context_wraps_all_runs() -> None:
     scenario = _scenario(context=Context)
     bench.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
     assert events == ["enter", "exit"]
+
+
+def test_references_only_to_variants_that_run() -> None:
+    scenario = _scenario()
+    scenario.variants.append(Variant("faster", scenario.variants[1].run, reference="fast"))
+    assert scenario.references == {"faster": "fast"}
+    scenario.select(["stock", "faster"])
+    assert scenario.references == {}  # its reference is not run: the baseline is
+
+
+def test_result_records_references_and_targets() -> None:
+    scenario = _scenario(targets=[bench.Target("4x", "fast", "stock", "inflate_s", 0.25)])
+    runs, load = bench.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
+    result = bench.build_result(scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load)
+    assert result["variants"][1] == {
+        "name": "fast",
+        "description": "the fast way",
+        "reference": None,
+    }
+    assert result["targets"][0]["met"] is True
+    assert result["targets"][0]["ratio"] == pytest.approx(0.25)
+    doc = bench_report.render_section(result, "../bench/results")
+    assert "Targets:\n\n- 4x: fast / stock inflate time must be \u2264 \u00d70.25; " in doc
+    assert doc.count("measured \u00d70.25: **met**.") == 1
+
+
+def test_render_target_not_met_and_not_measured() -> None:
+    target = {
+        "label": "issue 13: 3x faster",
+        "variant": "thinvm",
+        "reference": "stock-best",
+        "metric": "migration_ms",
+        "at_most": 1 / 3,
+        "ratio": 0.5,
+        "met": False,
+    }
+    assert bench_report.render_target(target) == (
+        "- issue 13: 3x faster: thinvm / stock-best migration time must be \u2264 \u00d70.33; "
+        "measured \u00d70.50: **not met**."
+    )
+    assert bench_report.render_target({**target, "ratio": None, "met": None}).endswith(
+        "; not measured in this run."
+    )
 
 
 def test_select_variants() -> None:
@@ -420,7 +511,7 @@ def test_scenario_params_are_checked() -> None:
     scenario = spec.build(BenchOptions(params={"rate_mibps": "128"}, size=2 * GiB))
     assert scenario.params["rate_mibps"] == 128
     assert scenario.params["size"] == "2.00 GiB"
-    assert scenario.baseline_name == "no-migration"
+    assert scenario.baseline_name == "stock-best"
     with pytest.raises(ThinvmError, match="unknown scenario 'nope'"):
         bench_scenarios.get("nope")
 
@@ -432,6 +523,87 @@ def test_every_scenario_builds_with_defaults() -> None:
         assert len(scenario.variants) >= 2
         assert len({v.name for v in scenario.variants}) == len(scenario.variants)
         assert scenario.description and scenario.title
+
+
+MIGRATION_SCENARIOS = ("migrate-idle", "migrate-dirty", "migrate-ballooned", "migrate-scale")
+
+
+@pytest.mark.parametrize("name", MIGRATION_SCENARIOS)
+def test_migration_scenarios_are_quoted_against_stock_best(name: str) -> None:
+    scenario = bench_scenarios.get(name).build(BenchOptions())
+    names = [v.name for v in scenario.variants]
+    assert scenario.baseline_name.endswith("stock-best")
+    assert any(n.endswith("thinvm") for n in names)
+    assert any(n.endswith("legacy") for n in names)  # the reference row stays
+    # Every variant migrates with the same bandwidth and channel count.
+    assert scenario.params["max-bandwidth"] == 100 * GiB
+    assert scenario.params["multifd-channels"] == 2
+
+
+def test_every_migrating_scenario_has_stock_best_and_thinvm() -> None:
+    for spec in bench_scenarios.SCENARIOS.values():
+        scenario = spec.build(BenchOptions())
+        if scenario.main_metric != "migration_ms":
+            continue
+        names = {v.name for v in scenario.variants}
+        assert any(n.endswith("stock-best") for n in names), spec.name
+        assert any(n.endswith("thinvm") for n in names), spec.name
+
+
+def test_stock_best_and_thinvm_stacks() -> None:
+    stacks = {name: stack for name, stack, _ in bench_scenarios.MIGRATION_STACKS}
+    best, thinvm = stacks["stock-best"], stacks["thinvm"]
+    assert (best.build, best.driver) == ("stock", "stock")
+    assert best.hint and best.reporting and best.caps == {"multifd": True}
+    assert (thinvm.build, thinvm.driver) == ("patched", "thinvm")
+    assert thinvm.hint and thinvm.reporting and thinvm.ranges
+    assert thinvm.caps == {"sparse-ram": True, "multifd": True}
+    assert stacks["legacy"].caps == {} and not stacks["legacy"].reporting
+
+
+def test_migrate_idle_uses_an_eighth_and_has_the_3x_target() -> None:
+    scenario = bench_scenarios.get("migrate-idle").build(BenchOptions(size=2 * GiB))
+    assert scenario.params["used"] == "256.00 MiB"
+    assert [v.name for v in scenario.variants] == ["stock-best", "thinvm", "legacy"]
+    (target,) = scenario.targets
+    assert (target.variant, target.reference, target.metric) == (
+        "thinvm",
+        "stock-best",
+        "migration_ms",
+    )
+    assert target.at_most == pytest.approx(1 / 3)
+    with pytest.raises(ThinvmError, match="want a fraction"):
+        bench_scenarios.get("migrate-idle").build(BenchOptions(params={"used": "1.5"}))
+
+
+def test_migrate_ballooned_target_is_against_the_small_guest_on_stock_best() -> None:
+    scenario = bench_scenarios.get("migrate-ballooned").build(BenchOptions(size=4 * GiB))
+    assert "small-stock-best" in [v.name for v in scenario.variants]
+    (target,) = scenario.targets
+    assert (target.variant, target.reference, target.at_most) == (
+        "thinvm",
+        "small-stock-best",
+        1.3,
+    )
+
+
+def test_migrate_scale_compares_each_size_with_stock_best_of_that_size() -> None:
+    options = BenchOptions(size=64 * GiB, params={"from": "4G"})
+    scenario = bench_scenarios.get("migrate-scale").build(options)
+    assert scenario.baseline_name == "4G-stock-best"
+    refs = scenario.references
+    assert refs["64G-thinvm"] == "64G-stock-best"
+    assert refs["8G-legacy"] == "8G-stock-best"
+    assert "64G-stock-best" not in refs  # growth against the baseline
+    (target,) = scenario.targets
+    assert (target.variant, target.reference, target.at_most) == ("64G-thinvm", "4G-thinvm", 1.5)
+
+
+def test_network_compares_veth_with_veth() -> None:
+    scenario = bench_scenarios.get("network").build(BenchOptions())
+    assert scenario.baseline_name == "loopback-stock-best"
+    assert scenario.references["veth-thinvm"] == "veth-stock-best"
+    assert "veth-stock-best" not in scenario.references
 
 
 def test_stack_capabilities() -> None:

@@ -5,7 +5,9 @@ measurement (usually: boot fresh guests, do one thing, tear down) and
 returns a dict of numeric metrics.  The harness runs the variants
 alternately (A B A B ...), N runs each, so slow drift of a shared machine
 hits every variant alike; it then computes per-metric median/min/max and the
-ratio of each variant's median to the baseline variant's, and writes
+ratio of each variant's median to its reference variant's (the scenario's
+baseline unless the variant names another), checks the scenario's targets,
+and writes
 bench/results/SCENARIO-<UTC stamp>.json (raw runs, summary, environment),
 a PNG plot next to it, and regenerates docs/benchmarks.md from the latest
 result of every scenario.
@@ -23,9 +25,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,24 @@ class Variant:
     name: str
     run: Callable[[RunContext], Metrics]
     description: str = ""
+    # The variant this one's ratios are taken against; default: the
+    # scenario's baseline.  E.g. thinvm at 8 GiB against stock at 8 GiB.
+    reference: str | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal stated as a ratio: `variant`'s median `metric` / `reference`'s <= at_most.
+
+    "thinvm at least 3x faster than stock-best" is
+    Target(..., "thinvm", "stock-best", "migration_ms", at_most=1 / 3).
+    """
+
+    label: str
+    variant: str
+    reference: str
+    metric: str
+    at_most: float
 
 
 @dataclass
@@ -85,12 +105,23 @@ class Scenario:
     second_metric: str | None = None
     baseline: str | None = None  # default: the first variant
     params: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
     # Entered once around all runs (e.g. a veth link, a memory cgroup).
     context: Callable[[], AbstractContextManager[Any]] | None = None
 
     @property
     def baseline_name(self) -> str:
         return self.baseline or self.variants[0].name
+
+    @property
+    def references(self) -> dict[str, str]:
+        """Variant -> the variant its ratios are taken against, where that was run."""
+        names = {v.name for v in self.variants}
+        return {
+            v.name: v.reference
+            for v in self.variants
+            if v.reference is not None and v.reference in names and v.reference != v.name
+        }
 
     def select(self, names: Sequence[str]) -> None:
         """Keep only the named variants, in the order given."""
@@ -141,14 +172,18 @@ def metric_names(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def summarize_runs(
-    runs: Sequence[dict[str, Any]], variants: Sequence[str], baseline: str
+    runs: Sequence[dict[str, Any]],
+    variants: Sequence[str],
+    baseline: str,
+    references: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """summary[variant][metric] = {median, min, max, n, ratio, ratio_to}.
 
-    `ratio` is this variant's median over the baseline variant's median.
-    For a metric the baseline does not report (a no-migration baseline has
-    no migration time), the reference is the first variant, in run order,
-    that does.  The reference variant itself has no ratio.
+    `ratio` is this variant's median over its reference's median: the
+    variant `references` names for it, else the baseline.  For a metric the
+    reference does not report (a no-migration baseline has no migration
+    time), it is the baseline, then the first variant in run order that
+    does.  A variant that is its own reference has no ratio.
     """
     names = metric_names(runs)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
@@ -159,19 +194,44 @@ def summarize_runs(
             stats = summarize([r["metrics"].get(name) for r in mine])
             if stats is not None:
                 summary[variant][name] = dict(stats)
-    order = [baseline, *[v for v in variants if v != baseline]]
+    fallback = [baseline, *[v for v in variants if v != baseline]]
     for name in names:
-        reference = next((v for v in order if name in summary[v]), None)
         for variant in variants:
             entry = summary[variant].get(name)
             if entry is None:
                 continue
+            own = (references or {}).get(variant)
+            order = [own, *fallback] if own is not None and own in summary else fallback
+            reference = next((v for v in order if name in summary[v]), None)
             if reference is None or variant == reference:
                 entry["ratio"], entry["ratio_to"] = None, None
                 continue
             entry["ratio"] = ratio(entry["median"], summary[reference][name]["median"])
             entry["ratio_to"] = reference
     return summary
+
+
+def evaluate_targets(
+    summary: Mapping[str, Mapping[str, Mapping[str, Any]]], targets: Sequence[Target]
+) -> list[dict[str, Any]]:
+    """Each target with its measured ratio and whether it is met (None: not measured)."""
+    evaluated = []
+    for target in targets:
+        value = summary.get(target.variant, {}).get(target.metric)
+        reference = summary.get(target.reference, {}).get(target.metric)
+        measured = (
+            ratio(value["median"], reference["median"])
+            if value is not None and reference is not None
+            else None
+        )
+        evaluated.append(
+            {
+                **asdict(target),
+                "ratio": measured,
+                "met": None if measured is None else measured <= target.at_most,
+            }
+        )
+    return evaluated
 
 
 def ratio(value: float, reference: float) -> float | None:
@@ -251,6 +311,8 @@ def build_result(
 ) -> dict[str, Any]:
     """The results document (the JSON written to bench/results/)."""
     variants = [v.name for v in scenario.variants]
+    references = scenario.references
+    summary = summarize_runs(runs, variants, scenario.baseline_name, references)
     return {
         "schema": SCHEMA_VERSION,
         "scenario": scenario.name,
@@ -259,13 +321,17 @@ def build_result(
         "created": created.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": list(command),
         "params": scenario.params,
-        "variants": [{"name": v.name, "description": v.description} for v in scenario.variants],
+        "variants": [
+            {"name": v.name, "description": v.description, "reference": references.get(v.name)}
+            for v in scenario.variants
+        ],
         "baseline": scenario.baseline_name,
         "main_metric": scenario.main_metric,
         "second_metric": scenario.second_metric,
         "runs_per_variant": max((r["run"] for r in runs), default=0),
         "runs": runs,
-        "summary": summarize_runs(runs, variants, scenario.baseline_name),
+        "summary": summary,
+        "targets": evaluate_targets(summary, scenario.targets),
         "environment": environment,
         "load": load,
         "wall_seconds": round(wall_seconds, 1),
