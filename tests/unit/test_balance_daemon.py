@@ -1,0 +1,133 @@
+"""The balance loop with a fake backend; the libvirt backend's parsing."""
+
+import json
+from pathlib import Path
+
+from thinvm.balance.backends import domain_sample, migrating_from_jobinfo, parse_domstats
+from thinvm.balance.daemon import Controller, format_status, load_status
+from thinvm.balance.model import GuestStats, HostSample, VmSample
+from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
+from thinvm.errors import ThinvmError
+from thinvm.units import GiB, KiB, MiB
+
+DATA = Path(__file__).parent / "data" / "balance"
+
+
+class FakeBackend:
+    """A guest that follows every target at once and reports lots of free memory."""
+
+    name = "fake"
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.actual = {"g": 1 * GiB}
+        self.sent: list[tuple[str, int]] = []
+        self.fail_on = fail_on
+
+    def sample(self) -> list[VmSample]:
+        return [
+            VmSample(
+                name,
+                1 * GiB,
+                actual,
+                GuestStats(age=0.5, total=1 * GiB, free=actual - 200 * MiB, available=actual),
+            )
+            for name, actual in self.actual.items()
+        ]
+
+    def set_target(self, vm: str, target: int) -> None:
+        if self.fail_on is not None and len(self.sent) == self.fail_on:
+            self.fail_on = None
+            raise ThinvmError("QMP went away")
+        self.sent.append((vm, target))
+        self.actual[vm] = target
+
+    def close(self) -> None:
+        pass
+
+
+class FixedHost:
+    def sample(self) -> HostSample:
+        return HostSample(total=24 * GiB, available=20 * GiB)
+
+
+def controller(backend: FakeBackend, state: Path, **kw: object) -> Controller:
+    policy = ThinvmPolicy(ThinvmParams(calm_cycles=1))
+    return Controller(
+        backend, FixedHost(), policy, interval=0.01, state_path=state, log=lambda _l: None, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_loop_shrinks_an_idle_guest_step_by_step_and_records_why(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    ctl = controller(backend, tmp_path / "s.json")
+    ctl.run(cycles=6)
+    targets = [t for _, t in backend.sent]
+    assert targets == sorted(targets, reverse=True) and len(targets) >= 3
+    assert all(a - b <= 128 * MiB for a, b in zip([1 * GiB, *targets], targets, strict=False))
+    status = load_status(tmp_path / "s.json")
+    assert status["vms"]["g"]["target"] == targets[-1]
+    text = "\n".join(format_status(status))
+    assert "g: actual" in text and "shrink" in text
+
+
+def test_dry_run_sets_nothing(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    lines: list[str] = []
+    ctl = controller(backend, tmp_path / "s.json", dry_run=True)
+    ctl.log = lines.append
+    ctl.run(cycles=4)
+    assert backend.sent == []
+    assert any("would set" in line for line in lines)
+
+
+def test_state_is_written_before_acting_and_a_restart_resends_it(tmp_path: Path) -> None:
+    state = tmp_path / "s.json"
+    backend = FakeBackend()
+    ctl = controller(backend, state)
+    ctl.run(cycles=3)
+    saved = json.loads(state.read_text())
+    last = backend.sent[-1][1]
+    assert saved["vms"]["g"]["state"]["target"] == last
+    # "kill" between writing the state and sending: QEMU still has the old target.
+    backend.actual["g"] = 1 * GiB
+    restarted = FakeBackend()
+    restarted.actual = dict(backend.actual)
+    ctl2 = controller(restarted, state)
+    ctl2.resume()
+    assert ctl2.cycle == saved["cycle"] + 1
+    assert restarted.sent == [("g", last)]
+
+
+def test_a_failed_target_is_not_remembered_as_set(tmp_path: Path) -> None:
+    backend = FakeBackend(fail_on=0)
+    ctl = controller(backend, tmp_path / "s.json")
+    ctl.run(cycles=2)  # the second cycle is the first to shrink, and its send fails
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert backend.sent == []
+    assert saved["errors"] == ["g: QMP went away"]
+    assert ctl.states["g"].target is None
+    assert saved["vms"]["g"]["state"]["target"] is None
+
+
+def test_parse_domstats() -> None:
+    domains = parse_domstats((DATA / "domstats-balloon.txt").read_text())
+    assert [d.name for d in domains] == ["web1", "nostats"]
+    web = domain_sample(domains[0], now=1795360780.0)
+    assert web.actual == 1048576 * KiB and web.max_memory == 2 * GiB
+    assert web.stats is not None and web.stats.age == 2.0
+    assert web.stats.free == 612440 * KiB
+    assert web.stats.available == 700212 * KiB
+    assert web.stats.total == 1001344 * KiB
+    assert web.stats.alloc_stalls is None  # libvirt does not pass 6.12's counters on
+    assert web.host_rss == 950312 * KiB
+    bare = domain_sample(domains[1], now=0)
+    assert bare.stats is None and bare.actual == 2 * GiB
+
+
+def test_migrating_from_jobinfo() -> None:
+    idle = "Job type:         None\n\n"
+    out = "Job type:         Unbounded\nOperation:        Outgoing migration\nTime elapsed: 1 ms\n"
+    save = "Job type:         Unbounded\nOperation:        Save\n"
+    assert not migrating_from_jobinfo(idle)
+    assert migrating_from_jobinfo(out)
+    assert not migrating_from_jobinfo(save)
