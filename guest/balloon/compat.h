@@ -11,7 +11,8 @@
  * header trees, and so need no shim here:
  *  - struct balloon_dev_info, balloon_page_alloc/enqueue/dequeue and the
  *    migratepage callback signature (movable_operations since 6.0, page
- *    based, returns MIGRATEPAGE_SUCCESS);
+ *    based, returns MIGRATEPAGE_SUCCESS), but not how a migrated page
+ *    leaves the balloon: see thinvm_balloon_page_release();
  *  - struct page_reporting_dev_info (with .order);
  *  - register_oom_notifier(), virtio_cread_le()/virtio_cwrite_le(),
  *    virtio_reset_device().
@@ -205,6 +206,39 @@ static inline unsigned int
 thinvm_reporting_order(const struct page_reporting_dev_info *pr)
 {
 	return pr->order ? pr->order : pageblock_order;
+}
+#endif
+
+/*
+ * The old page of a balloon page migration leaves the balloon.  Kernels
+ * with the 2025 movable-ops rework (in 6.1.y and 6.12.y only since a
+ * January 2026 stable backport, hence detected from the headers by the
+ * Makefile, not by version) have balloon_page_finalize().  Before it,
+ * virtio_balloon took the page out with balloon_page_delete() under the
+ * pages lock; the backport removed that helper, so its body is spelled
+ * out here (the page is isolated, so the list is not touched), which
+ * also lets the fallback be compiled against new headers.
+ */
+#include <linux/balloon_compaction.h>
+
+#ifdef THINVM_HAVE_BALLOON_PAGE_FINALIZE
+static inline void thinvm_balloon_page_release(struct balloon_dev_info *info,
+					       struct page *page)
+{
+	balloon_page_finalize(page);
+}
+#else
+static inline void thinvm_balloon_page_release(struct balloon_dev_info *info,
+					       struct page *page)
+{
+	unsigned long flags;
+
+	/* balloon_page_delete() without the list_del() an isolated page skips */
+	spin_lock_irqsave(&info->pages_lock, flags);
+	__ClearPageOffline(page);
+	__ClearPageMovable(page);
+	set_page_private(page, 0);
+	spin_unlock_irqrestore(&info->pages_lock, flags);
 }
 #endif
 

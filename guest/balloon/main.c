@@ -516,7 +516,7 @@ static int tb_migrate_page(struct balloon_dev_info *info,
 
 	mutex_unlock(&tb->lock);
 
-	balloon_page_finalize(page);
+	thinvm_balloon_page_release(info, page);
 	put_page(page);		/* drop the balloon's reference */
 	return MIGRATEPAGE_SUCCESS;
 }
