@@ -11,6 +11,7 @@ from pathlib import Path
 from thinvm import pool
 from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
+from thinvm.fleet import cli as fleet_cli
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
 from thinvm.qemu import accel, builds
@@ -132,6 +133,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         vm.kill()
         shutil.rmtree(rundir, ignore_errors=True)
         raise
+    # The VM runs on without us: close our QMP and agent connections now,
+    # not at interpreter exit.
+    vm.disconnect()
     if vm.pool_note:
         print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
     print(
@@ -401,6 +405,7 @@ def _key_value(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="thinvm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    fleet_cli.add_parsers(sub)
 
     p = sub.add_parser("version", help="QEMU builds and their patch hashes")
     p.add_argument("--json", action="store_true")

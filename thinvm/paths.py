@@ -13,5 +13,10 @@ def cache_dir() -> Path:
 
 
 def run_dir() -> Path:
-    """Per-VM state of detached VMs (`thinvm up`): sockets, logs, pid."""
-    return cache_dir() / "run"
+    """Per-VM state of detached VMs (`thinvm up`): sockets, logs, pid.
+
+    THINVM_RUN moves it, so that tests can use the README's VM names
+    without touching a user's VMs of the same name.
+    """
+    env = os.environ.get("THINVM_RUN")
+    return Path(env) if env else cache_dir() / "run"

@@ -34,6 +34,12 @@ def _read_line(conn: socket.socket) -> bytes:
     return line[:-1]
 
 
+def _answer_ping(conn: socket.socket, stale: bytes = b"") -> None:
+    """What the agent does first on a fresh connection: echo the PING token."""
+    token = _read_line(conn).split()[1]
+    conn.sendall(stale + b"PONG " + token + b"\n")
+
+
 @pytest.fixture
 def sock_path(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "agent.sock"
@@ -53,6 +59,7 @@ def test_exec_round_trip_with_binary_output(sock_path: Path) -> None:
     seen: list[bytes] = []
 
     def script(conn: socket.socket) -> None:
+        _answer_ping(conn)
         header = _read_line(conn)
         size = int(header.split()[1])
         payload = b""
@@ -70,6 +77,7 @@ def test_exec_round_trip_with_binary_output(sock_path: Path) -> None:
 
 def test_check_raises_on_failure(sock_path: Path) -> None:
     def script(conn: socket.socket) -> None:
+        _answer_ping(conn)
         header = _read_line(conn)
         conn.recv(int(header.split()[1]))
         conn.sendall(b"DONE 1 0 4\nboom")
@@ -81,7 +89,34 @@ def test_check_raises_on_failure(sock_path: Path) -> None:
 
 def test_silent_agent_times_out(sock_path: Path) -> None:
     done = threading.Event()
-    _fake_agent(sock_path, lambda conn: done.wait(5))
+
+    def script(conn: socket.socket) -> None:
+        _answer_ping(conn)
+        done.wait(5)
+
+    _fake_agent(sock_path, script)
     with pytest.raises(GuestError, match="timed out"):
         AgentClient(str(sock_path)).run("sleep 100", timeout=0.3)
+    done.set()
+
+
+def test_fresh_connection_skips_a_stale_reply_before_exec(sock_path: Path) -> None:
+    """A reply meant for an earlier connection must not answer this EXEC."""
+
+    def script(conn: socket.socket) -> None:
+        _answer_ping(conn, stale=b"DONE 0 5 0\nstale")
+        _read_line(conn)
+        conn.recv(64)
+        conn.sendall(b"DONE 0 5 0\nfresh")
+
+    _fake_agent(sock_path, script)
+    assert AgentClient(str(sock_path)).run("echo fresh", timeout=5).stdout == "fresh"
+
+
+def test_agent_that_never_answers_fails_fast(sock_path: Path) -> None:
+    """No PONG on a fresh connection: an error long before the command's timeout."""
+    done = threading.Event()
+    _fake_agent(sock_path, lambda conn: done.wait(10))
+    with pytest.raises(GuestError, match="did not answer within 1 s"):
+        AgentClient(str(sock_path)).run("true", timeout=1)
     done.set()

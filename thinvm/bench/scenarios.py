@@ -38,7 +38,7 @@ from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 # QEMU's default max-bandwidth (128 MiB/s) would make every migration
 # measure the throttle; the seeds' experiments also lifted it.
-MIGRATION_PARAMS: dict[str, Any] = {"max-bandwidth": 100 * GiB}
+MIGRATION_PARAMS: dict[str, Any] = migrate.UNCAPPED
 # multifd channels on both sides, for every variant: QEMU's default, set
 # explicitly so that stock-best and thinvm provably use the same transport
 # (variants without the multifd capability ignore it).

@@ -15,6 +15,9 @@ from typing import Any
 
 from thinvm.errors import GuestError
 
+# How long a fresh connection waits for the agent's PONG before a command.
+SYNC_TIMEOUT = 30.0
+
 
 @dataclass(frozen=True)
 class CommandResult:
@@ -83,12 +86,16 @@ class AgentClient:
         a migration) is skipped until the matching PONG arrives.
         """
         token = secrets.token_hex(8)
+        marker = f"PONG {token}\n".encode()
         deadline = time.monotonic() + timeout
         try:
             self._connect().sendall(f"PING {token}\n".encode())
-            while True:
-                if self._read_line(deadline) == f"PONG {token}".encode():
-                    return True
+            # Stale output need not end in a newline, so look for the marker
+            # anywhere rather than line by line.
+            while marker not in self._buf:
+                self._recv_more(deadline)
+            self._buf = self._buf.split(marker, 1)[1]
+            return True
         except (TimeoutError, OSError):
             self.close()
             return False
@@ -109,6 +116,11 @@ class AgentClient:
 
     def run(self, command: str, timeout: float = 300.0) -> CommandResult:
         """Run a shell command in the guest and wait for its exit status."""
+        if self._sock is None:
+            # A fresh connection (every CLI command makes one) first syncs
+            # with a PING: stale bytes are skipped, and an agent that does
+            # not answer fails in seconds instead of after `timeout`.
+            self.wait_ready(min(timeout, SYNC_TIMEOUT))
         deadline = time.monotonic() + timeout
         payload = command.encode()
         try:

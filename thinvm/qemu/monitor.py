@@ -47,9 +47,34 @@ class Monitor:
             raise ThinvmError(f"QMP {command}: connection to QEMU lost ({exc!r})") from exc
 
     def close(self) -> None:
+        """Disconnect and close the private loop (idempotent).
+
+        qemu.qmp's reader and writer are tasks on our loop.  A loop closed
+        (or garbage-collected at interpreter exit) with those still pending
+        makes Python print "Task was destroyed but it is pending" and
+        "no running event loop" tracebacks, so every task is finished here,
+        inside the loop, before it closes.
+        """
+        if self._loop.is_closed():
+            return
         if self._connected:
             # After `quit` the reader task ends with EOFError; that is the goodbye.
             with contextlib.suppress(OSError, EOFError, TimeoutError, asyncio.CancelledError):
                 self._run(self._client.disconnect(), 5.0)
             self._connected = False
+        self._finish_tasks()
         self._loop.close()
+
+    def _finish_tasks(self) -> None:
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+
+    def __del__(self) -> None:
+        # A Monitor nobody closed (an error path, interpreter exit) must not
+        # leave tracebacks behind either.
+        with contextlib.suppress(Exception):
+            self.close()
