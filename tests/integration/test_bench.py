@@ -61,3 +61,34 @@ def test_syscall_counter_sees_a_balloon_inflation() -> None:
     assert counter.counts.discard >= 128 * 256
     assert counter.counts.madvise >= counter.counts.discard - counter.counts.fallocate
     assert idle.counts.discard < 100
+
+
+def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
+    """Both stacks migrate a guest holding data; ratios and the target are against stock-best."""
+    results = tmp_path / "results"
+    options = bench.BenchOptions(size=1 * GiB, runs=1, params={"idle": "0"})
+    path = bench.run(
+        "migrate-idle", options, results_dir=results, docs=None, line=ProgressLine("[test] ")
+    )
+    data = json.loads(path.read_text())
+    bench.validate_result(data)
+    # A run fails if the destination's data differ from what the source wrote.
+    assert [(r["variant"], r.get("error")) for r in data["runs"]] == [
+        ("stock-best", None),
+        ("thinvm", None),
+        ("legacy", None),
+    ]
+    assert data["baseline"] == "stock-best"
+    assert data["params"]["used"] == "128.00 MiB"
+    assert data["params"]["multifd-channels"] == 2
+    best, thinvm = data["summary"]["stock-best"], data["summary"]["thinvm"]
+    assert thinvm["migration_ms"]["ratio_to"] == "stock-best"
+    assert data["summary"]["legacy"]["migration_ms"]["ratio_to"] == "stock-best"
+    # stock-best reads the reported-free memory as zero pages; thinvm skips it unread.
+    assert best["sparse_skipped_pages"]["median"] == 0
+    assert thinvm["sparse_skipped_pages"]["median"] > 0
+    (target,) = data["targets"]
+    assert target["variant"] == "thinvm" and target["reference"] == "stock-best"
+    assert target["ratio"] == pytest.approx(
+        thinvm["migration_ms"]["median"] / best["migration_ms"]["median"]
+    )

@@ -599,6 +599,21 @@ def test_migrate_scale_compares_each_size_with_stock_best_of_that_size() -> None
     assert (target.variant, target.reference, target.at_most) == ("64G-thinvm", "4G-thinvm", 1.5)
 
 
+def test_save_restore_saves_stock_best_as_mapped_ram_over_multifd() -> None:
+    scenario = bench_scenarios.get("save-restore").build(BenchOptions())
+    assert scenario.baseline_name == "stock-best"
+    assert scenario.params["used"] == "512.00 MiB"  # 1/8 of 4 GiB
+    assert scenario.params["multifd-channels"] == 2
+    stacks = {name: (stack, extra) for name, stack, extra, _ in bench_scenarios.SAVE_STACKS}
+    best, best_extra = stacks["stock-best"]
+    assert {**best.caps, **best_extra} == {"multifd": True, "mapped-ram": True}
+    thinvm, thinvm_extra = stacks["thinvm"]
+    assert {**thinvm.caps, **thinvm_extra} == {"sparse-ram": True}  # no multifd to a file
+    assert thinvm.driver == "thinvm" and thinvm.reporting and thinvm.ranges
+    assert sorted(t.metric for t in scenario.targets) == ["file_bytes", "restore_ms", "save_ms"]
+    assert all(t.at_most == 0.2 and t.reference == "stock-best" for t in scenario.targets)
+
+
 def test_network_compares_veth_with_veth() -> None:
     scenario = bench_scenarios.get("network").build(BenchOptions())
     assert scenario.baseline_name == "loopback-stock-best"
