@@ -1,0 +1,235 @@
+#!/usr/bin/env bash
+# Build the thinvm Debian 12 disk image: a qcow2 root filesystem made
+# only from Debian packages (mmdebstrap), with systemd, a serial console,
+# no network, the thinvm agent as a systemd service, and our balloon
+# driver installed the way a user installs it: the thinvm-balloon-dkms
+# package (guest/balloon/mkdeb.sh), built by DKMS inside the image
+# against the image's own kernel, blacklisting the in-tree virtio_balloon.
+#
+# The image boots by direct kernel boot (the kernel and initramfs are
+# copied out next to the disk): no boot loader to install or wait for.
+#
+# Usage: guest/image/build-disk.sh [--kernel 6.1|6.12]
+#
+#   6.1   linux-image-amd64 from bookworm
+#   6.12  linux-image-amd64 from bookworm-backports
+#
+# Cached under $THINVM_CACHE/disk/<kernel>-<inputs>; an image whose
+# inputs (these scripts, the agent and driver sources, the kernel
+# package version) did not change is not rebuilt.  Downloaded .debs are
+# kept in $THINVM_CACHE/debs/disk, so a rebuild does not download again.
+# The last line on stdout is the image directory: disk.qcow2, vmlinuz,
+# initrd.img, image.json.  Progress goes to stderr.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(cd "$here/../.." && pwd)
+cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
+apt=$top/scripts/debian-apt.sh
+agent_src=$top/guest/agent
+balloon_src=$top/guest/balloon
+disk_src=$here/disk
+
+# Virtual size of the root filesystem; qcow2 stores only what is used.
+disk_size=2G
+# Packages beyond the "apt" variant (essential + apt).  dkms brings
+# gcc and make; the headers are what DKMS builds against.
+packages=(systemd-sysv udev kmod initramfs-tools procps dkms)
+
+log() { printf '[guest/image/disk] %s\n' "$*" >&2; }
+die() { printf '[guest/image/disk] error: %s\n' "$*" >&2; exit 1; }
+
+usage() {
+	echo "usage: guest/image/build-disk.sh [--kernel 6.1|6.12]" >&2
+	exit 2
+}
+
+kernel=6.1
+while [ $# -gt 0 ] && [ "$1" != --customize ]; do
+	case $1 in
+	--kernel) [ $# -ge 2 ] || usage; kernel=$2; shift 2 ;;
+	-h|--help) usage ;;
+	*) log "unknown argument '$1'"; usage ;;
+	esac
+done
+case $kernel in
+6.1) suite=bookworm ;;
+6.12) suite=bookworm-backports ;;
+*) die "--kernel $kernel: want 6.1 or 6.12" ;;
+esac
+
+command -v mmdebstrap >/dev/null || die "mmdebstrap not found: run scripts/setup.sh"
+command -v qemu-img >/dev/null || die "qemu-img not found: run scripts/setup.sh"
+[ "$(id -u)" = 0 ] || die "needs root (mmdebstrap --mode=root, mke2fs -d)"
+
+tmp=$(mktemp -d "${TMPDIR:-/var/tmp}/thinvm-disk.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+
+# The Debian mirror this machine uses, as debian-apt.sh configured it:
+# never a host name written here.
+mirror() {
+	awk '$1 == "deb" && $NF == "main" && $(NF-1) == "bookworm" { print $(NF-2); exit }' \
+		"$cache/apt/etc/sources.list"
+}
+
+# The linux-image-amd64 version of $suite: part of the inputs, so a new
+# Debian kernel makes a new image.
+kernel_meta_version() {
+	"$apt" madison linux-image-amd64 |
+		awk -F'|' -v s="$kernel" '
+		{ gsub(/ /, "", $2); v = $2 }
+		s == "6.1" && v ~ /^6\.1\./ && v !~ /bpo/ { print v }
+		s == "6.12" && v ~ /^6\.12\./ && v ~ /~bpo12/ { print v }' |
+		sort -V | tail -n 1
+}
+
+inputs_hash() {
+	{
+		echo "$kernel $suite $meta ${packages[*]} $disk_size"
+		sha256sum "$here/build-disk.sh" "$disk_src"/* \
+			"$agent_src"/*.c "$agent_src"/Makefile \
+			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
+			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
+			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* | awk '{ print $1 }'
+	} | sha256sum | cut -c1-16
+}
+
+build_agent() {
+	local obj=$cache/agent-build
+	mkdir -p "$obj"
+	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
+	cp "$obj/thinvm-agent" "$obj/thinvm-mem" "$tmp/"
+}
+
+# Everything the customize hooks copy into the image, in one directory.
+stage_files() {
+	local s=$tmp/stage
+	mkdir -p "$s"
+	cp "$tmp/thinvm-agent" "$tmp/thinvm-mem" "$disk_src"/* "$s/"
+	cp "$top/docs/protocol/agent.md" "$s/agent.md" 2>/dev/null || : >"$s/agent.md"
+	"$balloon_src/mkdeb.sh" "$s" >/dev/null
+}
+
+bootstrap() {
+	local uri debs=$cache/debs/disk root=$tmp/root
+	uri=$(mirror)
+	[ -n "$uri" ] || die "no bookworm mirror in $cache/apt/etc/sources.list"
+	mkdir -p "$debs"
+	local include=("${packages[@]}")
+	if [ "$suite" = bookworm-backports ]; then
+		include+=(linux-image-amd64/bookworm-backports linux-headers-amd64/bookworm-backports)
+	else
+		include+=(linux-image-amd64 linux-headers-amd64)
+	fi
+	log "mmdebstrap: Debian 12 with kernel $kernel ($meta)"
+	# The hooks: keep downloaded .debs in the cache (sync-in/out), set up
+	# the initramfs before the kernel is installed, then install our
+	# files and the DKMS package (which builds the driver), and trim
+	# what a test guest never reads.
+	mmdebstrap --mode=root --variant=apt --format=directory \
+		--include="$(IFS=,; echo "${include[*]}")" \
+		--dpkgopt='path-exclude=/usr/share/man/*' \
+		--dpkgopt='path-exclude=/usr/share/doc/*' \
+		--dpkgopt='path-include=/usr/share/doc/*/copyright' \
+		--dpkgopt='path-exclude=/usr/share/locale/*' \
+		--dpkgopt='path-exclude=/usr/share/info/*' \
+		--skip=essential/unlink \
+		--setup-hook='mkdir -p "$1"/var/cache/apt/archives/' \
+		--setup-hook="sync-in $debs /var/cache/apt/archives/" \
+		--setup-hook='mkdir -p "$1"/etc/initramfs-tools/conf.d "$1"/etc/initramfs-tools/hooks' \
+		--setup-hook='echo MODULES=list >"$1"/etc/initramfs-tools/conf.d/thinvm' \
+		--setup-hook="install -m 0755 $tmp/stage/initramfs-hook \"\$1\"/etc/initramfs-tools/hooks/thinvm" \
+		--customize-hook="sync-out /var/cache/apt/archives $debs" \
+		--customize-hook='rm -f "$1"/var/cache/apt/archives/*.deb' \
+		--customize-hook="$here/build-disk.sh --customize $tmp/stage \"\$1\"" \
+		bookworm "$root" \
+		"deb $uri bookworm main" "deb $uri bookworm-backports main" >&2
+}
+
+# Runs as a mmdebstrap customize hook: $1 = staged files, $2 = the root.
+customize() {
+	local s=$1 r=$2
+	install -m 0755 "$s/thinvm-agent" "$r/usr/local/sbin/thinvm-agent"
+	install -m 0755 "$s/thinvm-guest-info" "$r/usr/local/sbin/thinvm-guest-info"
+	install -m 0755 "$s/thinvm-mem" "$r/usr/local/bin/thinvm-mem"
+	install -D -m 0644 "$s/agent.md" "$r/usr/local/share/doc/thinvm/agent.md"
+	install -m 0644 "$s/thinvm-agent.service" "$s/thinvm-boot-done.service" \
+		"$r/etc/systemd/system/"
+	chroot "$r" systemctl enable thinvm-agent.service thinvm-boot-done.service
+	# Installed as a user would: dpkg runs the postinst, DKMS builds.
+	cp "$s"/thinvm-balloon-dkms_*_all.deb "$r/tmp/"
+	chroot "$r" sh -c 'dpkg -i /tmp/thinvm-balloon-dkms_*_all.deb'
+	rm -f "$r"/tmp/thinvm-balloon-dkms_*_all.deb
+	ls "$r"/lib/modules/*/updates/dkms/thinvm_balloon.ko* >/dev/null ||
+		die "DKMS did not install thinvm_balloon.ko"
+	echo "/dev/vda / ext4 rw,discard,errors=remount-ro 0 1" >"$r/etc/fstab"
+	echo thinvm-guest >"$r/etc/hostname"
+	# A test guest: root logs in on the serial console without password.
+	chroot "$r" passwd -d root >/dev/null
+	# Compilers and headers stay (DKMS needs them for kernel updates);
+	# what goes is what only a full system reads.
+	rm -rf "$r"/var/lib/apt/lists/* "$r"/var/cache/apt/*.bin \
+		"$r"/var/lib/dkms/*/*/build "$r"/var/log/*.log
+}
+
+make_disk() {
+	local root=$tmp/root kver
+	kver=$(ls "$root/lib/modules" | sort -V | tail -n 1)
+	[ -f "$root/boot/vmlinuz-$kver" ] || die "no vmlinuz-$kver in the image"
+	[ -f "$root/boot/initrd.img-$kver" ] || die "no initrd.img-$kver in the image"
+	cp "$root/boot/vmlinuz-$kver" "$tmp/vmlinuz"
+	cp "$root/boot/initrd.img-$kver" "$tmp/initrd.img"
+	chmod 0644 "$tmp/vmlinuz" "$tmp/initrd.img"
+	log "making the ext4 filesystem ($(du -sh "$root" | cut -f1) of files)"
+	mke2fs -q -t ext4 -L thinvm-root -d "$root" "$tmp/root.raw" "$disk_size"
+	log "converting to compressed qcow2"
+	qemu-img convert -c -O qcow2 "$tmp/root.raw" "$tmp/disk.qcow2"
+	rm -f "$tmp/root.raw"
+	kver_out=$kver
+}
+
+write_json() {
+	printf '{"kernel":"%s","kernel_version":"%s","kernel_package_version":"%s","suite":"%s","cmdline":"%s","driver_package":"%s","inputs":"%s"}\n' \
+		"$kernel" "$kver_out" "$meta" "$suite" "root=/dev/vda rw console=ttyS0" \
+		"$(basename "$tmp"/stage/thinvm-balloon-dkms_*_all.deb)" "$hash" >"$tmp/image.json"
+}
+
+main() {
+	local start=$SECONDS d
+	"$apt" update || log "warning: apt update failed, using the lists as they are"
+	meta=$(kernel_meta_version)
+	[ -n "$meta" ] || die "no linux-image-amd64 $kernel in $suite"
+	hash=$(inputs_hash)
+	out=$cache/disk/$kernel-$hash
+	if [ -f "$out/image.json" ]; then
+		log "up to date: $out"
+		echo "$out"
+		return
+	fi
+	mkdir -p "$cache/disk"
+	exec 9>"$cache/disk/.lock-$kernel"
+	flock 9
+	build_agent
+	stage_files
+	bootstrap
+	make_disk
+	write_json
+	rm -rf "$out.tmp"
+	mkdir -p "$out.tmp"
+	mv "$tmp/disk.qcow2" "$tmp/vmlinuz" "$tmp/initrd.img" "$out.tmp/"
+	mv "$tmp/image.json" "$out.tmp/image.json"
+	mv "$out.tmp" "$out"
+	ln -sfn "$(basename "$out")" "$cache/disk/$kernel"
+	# Older images of this kernel series are stale now.
+	for d in "$cache/disk/$kernel"-*; do
+		[ "$d" = "$out" ] || rm -rf "$d"
+	done
+	log "built $out in $((SECONDS - start)) s ($(du -h "$out/disk.qcow2" | cut -f1) qcow2)"
+	echo "$out"
+}
+
+if [ "${1:-}" = --customize ]; then
+	customize "$2" "$3"
+	exit 0
+fi
+main

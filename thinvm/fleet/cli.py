@@ -1,0 +1,244 @@
+"""`thinvm fleet ...` and `thinvm cluster ...`: thin layers over
+thinvm.fleet (see docs/fleet.md)."""
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+from thinvm.errors import ThinvmError
+from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet.domain import domain_xml
+from thinvm.units import parse_size
+
+
+def _print_json_or(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+# -- fleet: what an operator needs on a libvirt host -------------------------
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    """Install both QEMU builds as libvirt emulators; check with libvirt."""
+    out: dict[str, Any] = {"sparse_ram_capability": emulator.sparse_ram_capability()}
+    for flavour in ("patched", "stock"):
+        inst = emulator.install(flavour)
+        entry: dict[str, Any] = {"path": str(inst.path), "updated": inst.changed}
+        if args.connect:
+            caps = emulator.domcapabilities(inst.path, args.connect)
+            entry["domcapabilities"] = "ok" if "<domainCapabilities>" in caps else "unexpected"
+        out[flavour] = entry
+    lines = [f"{f:8} {out[f]['path']}" for f in ("patched", "stock")]
+    lines.append(f"sparse-ram capability: migration.{out['sparse_ram_capability']}")
+    if not args.connect:
+        lines.append("(pass --connect URI to have libvirt probe them: virsh domcapabilities)")
+    _print_json_or(args, out, "\n".join(lines))
+    return 0
+
+
+def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
+    return guest.GuestSpec(
+        name=args.name,
+        memory=parse_size(args.memory),
+        kernel=args.kernel,
+        build=args.build,
+        thinvm=not args.no_thinvm,
+    )
+
+
+def cmd_xml(args: argparse.Namespace) -> int:
+    """Print the domain XML of a thinvm guest (the documented example)."""
+    image = guest.ensure_disk_image(args.kernel)
+    shared = cluster.cluster_dir() / "shared"
+    print(domain_xml(guest.spec_for(_guest_spec(args), image, shared)), end="")
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    host = state.host(args.host)
+    image = guest.ensure_disk_image(args.kernel)
+    spec = guest.spec_for(_guest_spec(args), image, cluster.cluster_dir() / "shared")
+    guest.define(host, spec, image)
+    try:
+        cluster.virsh(host, "start", args.name)
+    except ThinvmError:
+        cluster.virsh(host, "undefine", args.name)
+        raise
+    seconds = guest.wait_booted(host, args.name)
+    client = guest.agent(host, args.name)
+    try:
+        info = guest.guest_info(client)
+    finally:
+        client.close()
+    data = {"name": args.name, "host": host.name, "boot_seconds": round(seconds, 1), **info}
+    _print_json_or(
+        args,
+        data,
+        f"{args.name} running on {host.name}: booted in {seconds:.1f} s, kernel "
+        f"{info.get('kernel')}, balloon driver {info.get('balloon_driver')}",
+    )
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    host = guest.find_guest(state, args.name)
+    client = guest.agent(host, args.name)
+    try:
+        result = client.run(shlex.join(args.command))
+    finally:
+        client.close()
+    print(result.stdout, end="")
+    if result.stderr:
+        print(result.stderr, end="")
+    return result.status
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    source = guest.find_guest(state, args.name)
+    dest = state.host(args.to)
+    result = migrate.migrate(source, dest, args.name, parallel=args.parallel)
+    data = result.summary()
+    data["balloon"] = migrate.balloon_counters(dest, args.name)
+    skipped = data["sparse-skipped"]
+    _print_json_or(
+        args,
+        data,
+        f"{args.name}: {source.name} -> {dest.name} in {result.seconds:.2f} s, "
+        f"{result.job.get('Data processed', '?')} sent, downtime "
+        f"{result.job.get('Total downtime', '?')}, sparse-skipped "
+        f"{'n/a' if skipped is None else f'{skipped} pages'}",
+    )
+    return 0
+
+
+def cmd_counters(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    host = guest.find_guest(state, args.name)
+    data: dict[str, Any] = {"host": host.name}
+    data["balloon"] = migrate.balloon_counters(host, args.name)
+    mig = migrate.qmp(host, args.name, "query-migrate")
+    data["migration"] = mig.get("ram", {}) if isinstance(mig, dict) else {}
+    data["memstat"] = dict(
+        line.split(None, 1)
+        for line in cluster.virsh(host, "dommemstat", args.name).splitlines()
+        if line.strip()
+    )
+    text = [f"{args.name} on {host.name}"]
+    text += [f"  balloon {k}: {v}" for k, v in data["balloon"].items()]
+    text += [f"  memstat {k}: {v}" for k, v in data["memstat"].items()]
+    _print_json_or(args, data, "\n".join(text))
+    return 0
+
+
+# -- cluster -----------------------------------------------------------------
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    state = cluster.up(args.hosts, args.link, args.stock or ())
+    for h in state.hosts:
+        print(f"{h.name}  {h.address}  {h.flavour:7}  virsh -c '{h.uri}'")
+    return 0
+
+
+def cmd_cluster_down(args: argparse.Namespace) -> int:
+    removed = cluster.down()
+    print("removed: " + (", ".join(removed) if removed else "nothing (no cluster was up)"))
+    return 0
+
+
+def cmd_cluster_status(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    hosts: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for h in state.hosts:
+        try:
+            doms = cluster.virsh(h, "list", "--all", "--name").split()
+            up = True
+        except ThinvmError:
+            doms, up = [], False
+        hosts.append({"host": h.name, "address": h.address, "qemu": h.flavour, "up": up,
+                      "domains": doms, "uri": h.uri})  # fmt: skip
+        lines.append(
+            f"{h.name}  {h.address}  {h.flavour:7}  {'up' if up else 'DOWN'}  "
+            f"domains: {', '.join(doms) or '-'}"
+        )
+    lines.append(f"link: {state.link or 'unlimited'}")
+    _print_json_or(args, {"hosts": hosts, "link": state.link}, "\n".join(lines))
+    return 0
+
+
+def cmd_cluster_uri(args: argparse.Namespace) -> int:
+    print(cluster.load_state().host(args.host).uri)
+    return 0
+
+
+def _add_guest_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", "-m", default="1G", help="guest RAM (default 1G)")
+    p.add_argument("--kernel", default="6.1", choices=("6.1", "6.12"))
+    p.add_argument("--build", default="patched", choices=("patched", "stock"),
+                   help="emulator the domain names")  # fmt: skip
+    p.add_argument(
+        "--no-thinvm",
+        action="store_true",
+        help="stock's best instead: reporting + hinting, no ranges, no sparse-ram",
+    )
+
+
+def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    fleet = sub.add_parser("fleet", help="thinvm under libvirt: emulators, XML, guests")
+    fsub = fleet.add_subparsers(dest="fleet_command", required=True)
+
+    p = fsub.add_parser("install", help="install the QEMU builds as libvirt emulators")
+    p.add_argument("--connect", help="libvirt URI to probe them with (domcapabilities)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_install)
+
+    p = fsub.add_parser("xml", help="print the domain XML of a thinvm Debian guest")
+    p.add_argument("--name", default="thinvm-guest")
+    _add_guest_options(p)
+    p.set_defaults(func=cmd_xml)
+
+    p = fsub.add_parser("start", help="define and start a Debian guest on a cluster host")
+    p.add_argument("name")
+    p.add_argument("--host", default="h1")
+    p.add_argument("--json", action="store_true")
+    _add_guest_options(p)
+    p.set_defaults(func=cmd_start)
+
+    p = fsub.add_parser("exec", help="run a command in a cluster guest (agent)")
+    p.add_argument("name")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_exec)
+
+    p = fsub.add_parser("migrate", help="live-migrate a guest to another cluster host")
+    p.add_argument("name")
+    p.add_argument("--to", required=True, help="destination host, e.g. h2")
+    p.add_argument("--parallel", type=int, default=0, help="multifd connections (0: off)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_migrate)
+
+    p = fsub.add_parser("counters", help="thinvm counters and balloon stats of a guest")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_counters)
+
+    cl = sub.add_parser("cluster", help="simulated libvirt hosts (network namespaces)")
+    csub = cl.add_subparsers(dest="cluster_command", required=True)
+    p = csub.add_parser("up", help="create N hosts, each with its own libvirtd")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--link", help="rate limit of each host's link, e.g. 10gbit")
+    p.add_argument("--stock", action="append", metavar="HOST",
+                   help="this host runs stock QEMU behind the thinvm emulator path")  # fmt: skip
+    p.set_defaults(func=cmd_cluster_up)
+    p = csub.add_parser("down", help="remove every host, daemon and guest; idempotent")
+    p.set_defaults(func=cmd_cluster_down)
+    p = csub.add_parser("status", help="hosts, their daemons and domains")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cluster_status)
+    p = csub.add_parser("uri", help="the virsh connection URI of a host")
+    p.add_argument("host")
+    p.set_defaults(func=cmd_cluster_uri)

@@ -1,0 +1,177 @@
+"""Debian guests on cluster hosts: the disk image, domains, the agent.
+
+A guest's disk is a qcow2 overlay in the cluster's shared directory, on
+top of the cached image built by guest/image/build-disk.sh: every host
+sees the same path, so live migration needs no storage copy.
+"""
+
+import json
+import re
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from thinvm.errors import GuestError, ThinvmError
+from thinvm.fleet import emulator
+from thinvm.fleet.cluster import ClusterState, Host, virsh
+from thinvm.fleet.domain import AGENT_PORT, DomainSpec, domain_xml
+from thinvm.guest.agent import AgentClient
+from thinvm.paths import REPO
+from thinvm.units import MiB
+
+BOOT_TIMEOUT = 180.0
+
+
+@dataclass(frozen=True)
+class DiskImage:
+    directory: Path
+    kernel: str
+    kernel_version: str
+    cmdline: str
+
+    @property
+    def disk(self) -> Path:
+        return self.directory / "disk.qcow2"
+
+    @property
+    def vmlinuz(self) -> Path:
+        return self.directory / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.directory / "initrd.img"
+
+
+def ensure_disk_image(kernel: str = "6.1") -> DiskImage:
+    """The Debian disk image for `kernel`, built if missing or stale."""
+    if kernel not in ("6.1", "6.12"):
+        raise ThinvmError(f"--kernel {kernel}: want 6.1 or 6.12")
+    proc = subprocess.run(
+        [str(REPO / "guest" / "image" / "build-disk.sh"), "--kernel", kernel],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ThinvmError(f"building the {kernel} disk image failed (see the messages above)")
+    directory = Path(lines[-1])
+    meta = json.loads((directory / "image.json").read_text())
+    return DiskImage(directory, kernel, str(meta["kernel_version"]), str(meta["cmdline"]))
+
+
+@dataclass(frozen=True)
+class GuestSpec:
+    name: str
+    memory: int = 1024 * MiB
+    kernel: str = "6.1"
+    build: str = "patched"  # whose emulator path the domain names
+    thinvm: bool = True  # ranges + sparse-ram (False: stock's best)
+
+
+def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
+    """The domain for `guest`: thinvm's features, or stock's best
+    (reporting + hinting; multifd is a migration flag) with thinvm=False."""
+    if guest.thinvm and guest.build == "stock":
+        raise ThinvmError(
+            "page ranges and sparse-ram need the patched QEMU: use --build patched, "
+            "or --no-thinvm for the stock emulator"
+        )
+    return DomainSpec(
+        name=guest.name,
+        emulator=emulator.emulator_path(guest.build),
+        kernel=image.vmlinuz,
+        initrd=image.initrd,
+        disk=shared / f"{guest.name}.qcow2",
+        cmdline=image.cmdline,
+        memory=guest.memory,
+        console_log=shared / f"{guest.name}.console.log",
+        ranges=guest.thinvm,
+        free_page_hint=not guest.thinvm,
+        sparse_ram=emulator.sparse_ram_capability() if guest.thinvm else None,
+    )
+
+
+def create_overlay(base: Path, overlay: Path) -> None:
+    overlay.unlink(missing_ok=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(base), str(overlay)],
+        check=True,
+    )
+
+
+def define(host: Host, spec: DomainSpec, image: DiskImage) -> str:
+    """Create the guest's disk overlay and define the domain on `host`."""
+    create_overlay(image.disk, spec.disk)
+    if spec.console_log:
+        spec.console_log.unlink(missing_ok=True)
+    xml = domain_xml(spec)
+    path = spec.disk.with_suffix(".xml")
+    path.write_text(xml)
+    virsh(host, "define", str(path))
+    return xml
+
+
+def agent_socket(host: Host, name: str) -> Path:
+    """Where libvirt put the agent port's socket, seen from outside."""
+    root = ET.fromstring(virsh(host, "dumpxml", name))
+    for channel in root.iter("channel"):
+        target = channel.find("target")
+        source = channel.find("source")
+        if target is not None and target.get("name") == AGENT_PORT and source is not None:
+            path = source.get("path")
+            if path:
+                return host.outside(path)
+    raise ThinvmError(f"{name} on {host.name} has no {AGENT_PORT} channel")
+
+
+def agent(host: Host, name: str) -> AgentClient:
+    return AgentClient(str(agent_socket(host, name)))
+
+
+def wait_booted(host: Host, name: str, timeout: float = BOOT_TIMEOUT) -> float:
+    """Wait until the guest's agent answers; returns the seconds waited."""
+    start = time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        try:
+            client = agent(host, name)
+        except ThinvmError:
+            time.sleep(0.5)
+            continue
+        try:
+            client.wait_ready(max(1.0, deadline - time.monotonic()))
+            return time.monotonic() - start
+        except GuestError:
+            continue
+        finally:
+            client.close()
+    raise GuestError(f"{name} on {host.name}: agent silent after {timeout:.0f} s")
+
+
+_INFO_RE = re.compile(r"(\w+)=(\S+)")
+
+
+def guest_info(client: AgentClient) -> dict[str, str]:
+    """thinvm-guest-info from inside the guest: kernel, balloon driver."""
+    out = client.check("/usr/local/sbin/thinvm-guest-info").stdout
+    return dict(_INFO_RE.findall(out))
+
+
+def domstate(host: Host, name: str) -> str:
+    try:
+        return virsh(host, "domstate", name).strip()
+    except ThinvmError as exc:
+        if "failed to get domain" in str(exc) or "Domain not found" in str(exc):
+            return "absent"
+        raise
+
+
+def find_guest(state: ClusterState, name: str) -> Host:
+    """The host where `name` is running."""
+    running = [h for h in state.hosts if domstate(h, name) == "running"]
+    if not running:
+        raise ThinvmError(f"{name} is not running on any cluster host")
+    return running[0]

@@ -1,0 +1,170 @@
+"""Live migration between cluster hosts through libvirt, and the thinvm
+counters libvirt does not report.
+
+Migration is peer-to-peer (`virsh migrate --live --p2p`): the source
+libvirtd connects to the destination's TCP listener itself, as it would
+between real hosts, and QEMU streams to the destination's migration
+address (qemu.conf migration_host).  libvirt knows nothing of sparse-ram:
+its `domjobinfo --completed` keeps only the fields it parses, and the
+source QEMU is gone when the job completes.  So while the job runs,
+`query-migrate` is read from the source QEMU through
+`virsh qemu-monitor-command`; the last answer before completion holds
+`sparse-skipped` (counted on the first pass, final long before the end).
+"""
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinvm.errors import ThinvmError
+from thinvm.fleet.cluster import Host, virsh
+from thinvm.fleet.domain import BALLOON_QOM_PATH
+
+BALLOON_COUNTERS = ("range-requests", "range-discards", "guest-errors")
+POLL_INTERVAL = 0.25
+
+
+def qmp(host: Host, name: str, command: str, **arguments: Any) -> Any:
+    """One QMP command through libvirt (which owns the monitor)."""
+    msg: dict[str, Any] = {"execute": command}
+    if arguments:
+        msg["arguments"] = arguments
+    reply = json.loads(virsh(host, "qemu-monitor-command", name, json.dumps(msg)))
+    if "error" in reply:
+        raise ThinvmError(f"{host.name}: {command}: {reply['error'].get('desc', reply['error'])}")
+    return reply.get("return")
+
+
+def balloon_counters(host: Host, name: str) -> dict[str, int]:
+    """thinvm's balloon counters of this QEMU process (not migrated: they
+    count what the QEMU on `host` saw since it started)."""
+    out: dict[str, int] = {}
+    for prop in BALLOON_COUNTERS:
+        try:
+            out[prop] = int(qmp(host, name, "qom-get", path=BALLOON_QOM_PATH, property=prop))
+        except ThinvmError:
+            continue  # stock QEMU: no such property
+    return out
+
+
+@dataclass
+class MigrationResult:
+    seconds: float
+    source: str
+    destination: str
+    job: dict[str, str]  # virsh domjobinfo --completed, as libvirt prints it
+    ram: dict[str, int]  # query-migrate "ram" from the source, last poll
+    polls: int
+    capabilities: dict[str, bool] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 3),
+            "from": self.source,
+            "to": self.destination,
+            "sparse-skipped": self.ram.get("sparse-skipped"),
+            "sparse-zero": self.ram.get("sparse-zero"),
+            "transferred": self.ram.get("transferred"),
+            "libvirt": self.job,
+            "capabilities": self.capabilities,
+        }
+
+
+class _SourcePoller(threading.Thread):
+    """Reads query-migrate from the source QEMU until told to stop."""
+
+    def __init__(self, host: Host, name: str) -> None:
+        super().__init__(daemon=True)
+        self.host, self.name = host, name
+        self.stop = threading.Event()
+        self.ram: dict[str, int] = {}
+        self.caps: dict[str, bool] = {}
+        self.polls = 0
+
+    def run(self) -> None:
+        with contextlib.suppress(ThinvmError):
+            caps = qmp(self.host, self.name, "query-migrate-capabilities")
+            self.caps = {c["capability"]: bool(c["state"]) for c in caps}
+        while not self.stop.is_set():
+            with contextlib.suppress(ThinvmError):
+                info = qmp(self.host, self.name, "query-migrate")
+                if isinstance(info, dict) and "ram" in info:
+                    self.ram = {k: v for k, v in info["ram"].items() if isinstance(v, int)}
+                    self.polls += 1
+            self.stop.wait(POLL_INTERVAL)
+
+
+def parse_jobinfo(text: str) -> dict[str, str]:
+    """`virsh domjobinfo` output as a dict ("Time elapsed" -> "1234 ms")."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def migrate(
+    source: Host,
+    destination: Host,
+    name: str,
+    parallel: int = 0,
+    extra: tuple[str, ...] = (),
+    timeout: float = 600.0,
+) -> MigrationResult:
+    """Live-migrate `name` from `source` to `destination`, peer-to-peer;
+    the definition moves with it.  On failure libvirt leaves the guest
+    running on the source; the error says so."""
+    if source.name == destination.name:
+        raise ThinvmError(f"{name} is already on {source.name}")
+    args = ["migrate", "--live", "--p2p", "--persistent", "--undefinesource"]
+    if parallel:
+        # multifd; its zero-page detection is QEMU's default.
+        args += ["--parallel", "--parallel-connections", str(parallel)]
+    args += [*extra, name, destination.tcp_uri]
+    poller = _SourcePoller(source, name)
+    poller.start()
+    start = time.monotonic()
+    try:
+        virsh(source, *args, timeout=timeout)
+    except ThinvmError as exc:
+        raise ThinvmError(_explain_failure(str(exc), source, destination, name)) from exc
+    finally:
+        poller.stop.set()
+        poller.join()
+    seconds = time.monotonic() - start
+    job = parse_jobinfo(virsh(source, "domjobinfo", name, "--completed"))
+    return MigrationResult(
+        seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps
+    )
+
+
+def _explain_failure(message: str, source: Host, destination: Host, name: str) -> str:
+    where = f"{name} is still running on {source.name}"
+    if "sparse-ram" in message:
+        return (
+            f"migration to {destination.name} refused: its QEMU does not have the "
+            f"sparse-ram capability (a stock emulator?); {where}. libvirt said: {message}"
+        )
+    return f"migration {source.name} -> {destination.name} failed: {message}; {where}"
+
+
+def job_bytes(job: dict[str, str]) -> int | None:
+    """Bytes libvirt says it moved ("Data processed: 123.456 MiB")."""
+    value = job.get("Data processed") or job.get("Memory processed")
+    if not value:
+        return None
+    num, _, unit = value.partition(" ")
+    scale = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    try:
+        return int(float(num) * scale[unit.strip()])
+    except (KeyError, ValueError):
+        return None
+
+
+def run_quiet(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=False, capture_output=True)
