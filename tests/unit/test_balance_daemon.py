@@ -51,7 +51,7 @@ class FixedHost:
 
 
 def controller(backend: FakeBackend, state: Path, **kw: object) -> Controller:
-    policy = ThinvmPolicy(ThinvmParams(calm_cycles=1))
+    policy = ThinvmPolicy(ThinvmParams(calm_seconds=0.01))
     return Controller(
         backend, FixedHost(), policy, interval=0.01, state_path=state, log=lambda _l: None, **kw
     )  # type: ignore[arg-type]

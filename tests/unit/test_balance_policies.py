@@ -128,18 +128,51 @@ def test_stale_stats_give_a_shrunk_guest_memory_back() -> None:
     assert plan.decisions[0].target is not None and plan.decisions[0].target > 400 * MiB
 
 
-def test_idle_guest_shrinks_only_after_calm_cycles_and_by_at_most_one_step() -> None:
+def test_idle_guest_shrinks_only_after_calm_seconds_and_by_at_most_one_step() -> None:
     policy = ThinvmPolicy()
     sample = vm(st=stats(free=800 * MiB))
     states: dict[str, VmState] = {}
     targets = []
-    for cycle in range(3):
+    calm = policy.cycles(policy.params.calm_seconds, 2.0)  # 3 cycles of 2 s
+    for cycle in range(calm + 1):
         plan = run(policy, [sample], states=states, cycle=cycle)
         states = plan.states
         targets.append(plan.decisions[0].target)
-    assert targets[:2] == [None, None]  # hysteresis: not calm long enough
-    assert targets[2] == 1 * GiB - policy.params.inflate_step  # inflate slowly
+    assert targets[:-1] == [None] * calm  # hysteresis: not calm long enough
+    assert targets[-1] == 1 * GiB - policy.params.inflate_step  # inflate slowly
     assert "step cap" in plan.decisions[0].reason
+
+
+def test_no_shrinking_soon_after_a_grow() -> None:
+    policy = ThinvmPolicy()
+    state = VmState(target=300 * MiB, last_actual=300 * MiB, last_used=250 * MiB, calm_cycles=9)
+    plan = run(policy, [vm(actual=300 * MiB, st=stats(free=50 * MiB))], states={"a": state})
+    grown = plan.decisions[0].target
+    assert grown is not None and grown > 300 * MiB
+    states = plan.states
+    cooldown = policy.cycles(policy.params.grow_cooldown_seconds, 2.0)
+    # the guest frees everything at once: it still keeps its memory for the cooldown
+    for cycle in range(11, 10 + cooldown):
+        plan = run(policy, [vm(actual=grown, st=stats(free=grown - 100 * MiB))], states=states,
+                   cycle=cycle)  # fmt: skip
+        states = plan.states
+        assert plan.decisions[0].target is None, plan.decisions[0].reason
+
+
+def test_a_burst_of_growth_is_remembered_as_headroom() -> None:
+    policy = ThinvmPolicy()
+    state = VmState(last_used=200 * MiB, last_actual=600 * MiB, calm_cycles=9)
+    # used jumped by 200 MiB: the guest must keep that much more free
+    plan = run(policy, [vm(actual=600 * MiB, st=stats(free=200 * MiB))], states={"a": state})
+    assert plan.states["a"].peak_growth == 200 * MiB
+    states = plan.states
+    # ten quiet cycles later (20 s, half-life 30 s) most of it is still remembered
+    for cycle in range(11, 21):
+        plan = run(policy, [vm(actual=600 * MiB, st=stats(free=200 * MiB))], states=states,
+                   cycle=cycle)  # fmt: skip
+        states = plan.states
+    assert states["a"].peak_growth > 120 * MiB
+    assert all(d.target is None for d in plan.decisions)  # 200 MiB free < its headroom
 
 
 def test_one_shrink_in_flight_at_a_time() -> None:
@@ -211,7 +244,8 @@ def test_backs_off_at_once_on_guest_stall_or_reclaim(counter: str) -> None:
     # ... and it does not shrink again during the cooldown, though it is idle now.
     states = plan.states
     idle = vm(actual=decision.target, st=stats(free=700 * MiB, **{counter: 4}))
-    for cycle in range(21, 21 + policy.params.stress_cooldown - 1):
+    cooldown = policy.cycles(policy.params.stress_cooldown_seconds, 2.0)
+    for cycle in range(21, 20 + cooldown):
         plan = run(policy, [idle], states=states, cycle=cycle)
         states = plan.states
         assert plan.decisions[0].target is None, plan.decisions[0].reason

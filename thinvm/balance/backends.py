@@ -131,8 +131,14 @@ class ThinvmBackend:
 
     name = "thinvm"
 
-    def __init__(self, vms: Sequence[Any] | None = None, names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        vms: Sequence[Any] | None = None,
+        names: Sequence[str] = (),
+        log: Callable[[str], None] = lambda _line: None,
+    ) -> None:
         self._given = list(vms) if vms is not None else None
+        self.log = log
         self._names = set(names)  # only these detached VMs; empty: all
         self._attached: dict[str, Any] = {}
 
@@ -150,8 +156,10 @@ class ThinvmBackend:
             if name in self._attached and not self._attached[name].alive():
                 self._attached.pop(name).disconnect()
             if name not in self._attached:
-                with contextlib.suppress(ThinvmError, OSError):
+                try:
                     self._attached[name] = VM.attach(run_dir() / name)
+                except (ThinvmError, OSError) as exc:
+                    self.log(f"{name}: cannot attach: {exc}")
         return list(self._attached.values())
 
     def pids(self) -> list[int]:
@@ -160,8 +168,10 @@ class ThinvmBackend:
     def sample(self) -> list[VmSample]:
         samples = []
         for vm in self._vms():
-            with contextlib.suppress(ThinvmError, OSError, TimeoutError):
+            try:
                 samples.append(self._sample_one(vm))
+            except (ThinvmError, OSError, TimeoutError) as exc:
+                self.log(f"{vm.config.name}: not sampled: {exc}")
         return samples
 
     def _sample_one(self, vm: Any) -> VmSample:

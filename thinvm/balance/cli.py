@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.connect:
         backend = LibvirtBackend(args.connect, names=args.vm)
     else:
-        backend = ThinvmBackend(names=args.vm)
+        backend = ThinvmBackend(names=args.vm, log=_log)
     host: HostSource = WholeHost()
     if args.cgroup:
         host = CgroupBudget(args.cgroup)

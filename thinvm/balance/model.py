@@ -142,6 +142,7 @@ class VmState:
     stuck_cycles: int = 0  # cycles the target was not followed
     given_up_until: int = 0  # cycle before which we do not ask again
     calm_cycles: int = 0  # cycles since the guest last showed stress or growth
+    peak_growth: int = 0  # largest recent growth of used memory in one cycle (decaying)
     cooldown_until: int = 0  # no shrinking before this cycle
     history: tuple[tuple[int, int], ...] = ()  # (actual, free) samples, oldest first
     reason: str = ""

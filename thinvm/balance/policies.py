@@ -13,6 +13,7 @@ Three policies share one interface so they can be measured side by side:
 A policy sees only data (thinvm.balance.model); the daemon does the I/O.
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,8 +78,10 @@ class ThinvmParams:
     inflate_step_pressure: int = 256 * MiB  # ... when the host is under pressure
     stress_boost_fraction: float = 0.25  # of the guest's RAM, given at a stall
     dead_band: int = 16 * MiB  # smaller changes are not worth a request
-    calm_cycles: int = 2  # quiet cycles before a guest may shrink
-    stress_cooldown: int = 6  # cycles without shrinking after a stall
+    calm_seconds: float = 6.0  # quiet time before a guest may shrink
+    grow_cooldown_seconds: float = 10.0  # no shrinking this soon after a grow
+    stress_cooldown_seconds: float = 30.0  # ... or after a stall
+    growth_half_life: float = 30.0  # seconds: how long a burst of growth is remembered
     stuck_limit: int = 5  # cycles a target may go unfollowed
     retry_after: int = 60  # cycles before asking an unresponsive driver again
     tolerance: int = 8 * MiB  # |actual - target| that counts as reached
@@ -130,6 +133,11 @@ class ThinvmPolicy:
     def stale_after(self, interval: float) -> float:
         return self.params.stale_after or 3 * interval + 2.0
 
+    @staticmethod
+    def cycles(seconds: float, interval: float) -> int:
+        """A duration in whole cycles (at least one)."""
+        return max(1, math.ceil(seconds / interval - 1e-9))
+
     def decide(self, inputs: Inputs) -> Plan:
         host = _host_view(inputs.host, self.params)
         wants = [self._want(inputs, vm, host) for vm in inputs.vms]
@@ -140,8 +148,19 @@ class ThinvmPolicy:
             if want.vm.name not in decisions:
                 decisions[want.vm.name] = self._shrink_or_hold(want, host, inputs.cycle)
             decision = decisions[want.vm.name]
-            target = decision.target if decision.acts else want.state.target
-            states[want.vm.name] = want.state.but(target=target, reason=decision.reason)
+            state = want.state
+            if (
+                decision.acts
+                and decision.target is not None
+                and decision.target > (_current_target(want) if want.vm.actual is not None else 0)
+            ):
+                # Hysteresis: a guest that just got memory keeps it a while.
+                until = inputs.cycle + self.cycles(
+                    self.params.grow_cooldown_seconds, inputs.interval
+                )
+                state = state.but(cooldown_until=max(state.cooldown_until, until))
+            target = decision.target if decision.acts else state.target
+            states[want.vm.name] = state.but(target=target, reason=decision.reason)
         return Plan([decisions[vm.name] for vm in inputs.vms], states)
 
     # -- per VM ------------------------------------------------------------
@@ -178,14 +197,22 @@ class ThinvmPolicy:
         bumped = {k: d for k, d in deltas.items() if d > 0}
         used = vm.actual - stats.free
         growth = used - state.last_used if state.last_used is not None else 0
-        headroom = self._headroom(vm, max(0, growth))
+        # A guest that grew in a burst may grow as much again: remember the
+        # largest recent burst, forgetting it with a half-life.
+        decay = 0.5 ** (inputs.interval / p.growth_half_life)
+        peak = max(growth, int(state.peak_growth * decay), 0)
+        headroom = self._headroom(vm, peak)
         available = stats.available if stats.available is not None else stats.free
-        tight = available < headroom // 2
+        tight = available < self._headroom(vm, 0) // 2
         busy = growth > p.dead_band
         known = state.last_used is not None  # a first sample says nothing about trends
         calm = state.calm_cycles + 1 if known and not (bumped or tight or busy) else 0
         state = state.but(
-            counters=stats.counters(), last_used=used, last_actual=vm.actual, calm_cycles=calm
+            counters=stats.counters(),
+            last_used=used,
+            last_actual=vm.actual,
+            calm_cycles=calm,
+            peak_growth=peak,
         )
         if bumped or tight:
             if bumped:
@@ -193,7 +220,8 @@ class ThinvmPolicy:
             else:
                 why = f"guest available {_mib(available)} below half its headroom"
             boost = max(headroom, int(vm.max_memory * p.stress_boost_fraction))
-            state = state.but(cooldown_until=inputs.cycle + p.stress_cooldown)
+            cooldown = self.cycles(p.stress_cooldown_seconds, inputs.interval)
+            state = state.but(cooldown_until=inputs.cycle + cooldown)
             return _Want(vm, limits, state, min(limits.ceiling, vm.actual + boost),
                          f"{why}: deflate at once", stressed=True)  # fmt: skip
         # When the host is calm the guest keeps its page cache; under
@@ -205,13 +233,14 @@ class ThinvmPolicy:
             f"guest {kind} {_mib(available if host.pressure else stats.free)}, "
             f"keeps {_mib(headroom)} headroom"
         )
-        may_shrink = calm >= p.calm_cycles and inputs.cycle >= state.cooldown_until
+        calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
+        may_shrink = calm_enough and inputs.cycle >= state.cooldown_until
         return _Want(vm, limits, state, desired, reason, may_shrink=may_shrink)
 
     def _headroom(self, vm: VmSample, growth: int) -> int:
         p = self.params
         base = max(p.headroom_min, int(vm.max_memory * p.headroom_fraction))
-        return base + growth  # a guest that grew last cycle may grow as much again
+        return base + growth
 
     def _follow_check(self, actual: int, state: VmState, cycle: int) -> tuple[VmState, int | None]:
         """Count cycles our target goes unfollowed; give up after stuck_limit.

@@ -1,0 +1,318 @@
+"""The balance controller against real guests under QEMU (TCG, 1 GiB each).
+
+The controller runs in the test's thread (QMP monitors are not shared
+between threads); guest workloads run through the agent in a helper
+thread.  Assertions are on balloon `actual`, host RSS of the QEMU
+processes and the guest's own OOM-kill counter.
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VMFactory
+from thinvm.balance.backends import RssBudget, ThinvmBackend, WholeHost
+from thinvm.balance.daemon import Controller, CycleReport, load_status
+from thinvm.balance.model import VmLimits
+from thinvm.balance.policies import ThinvmPolicy
+from thinvm.guest import workload
+from thinvm.paths import REPO, run_dir
+from thinvm.units import GiB, MiB, format_size
+from thinvm.vm import balloon
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
+
+pytestmark = pytest.mark.guest
+
+FLOOR = 256 * MiB
+
+
+def guest_config(name: str, kernel: str = "6.1") -> VMConfig:
+    # No free page reporting: memory a guest frees stays on the host until
+    # the balloon takes it, so RSS shows what the controller did.
+    return VMConfig(name=name, memory=1 * GiB, kernel=kernel, balloon=BalloonOptions(enabled=True))
+
+
+def oom_kills(vm: VM) -> int:
+    for line in vm.agent.check("cat /proc/vmstat").stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "oom_kill":
+            return int(value)
+    raise AssertionError("guest /proc/vmstat has no oom_kill")
+
+
+def controller(vms: list[VM], host: object | None = None, **kw: object) -> Controller:
+    lines: list[str] = []
+    ctl = Controller(
+        ThinvmBackend(vms),
+        host or WholeHost(),  # type: ignore[arg-type]
+        ThinvmPolicy(),
+        interval=1.0,
+        default_limits=lambda size: VmLimits(FLOOR, size),
+        log=lines.append,
+        **kw,  # type: ignore[arg-type]
+    )
+    ctl.lines = lines  # type: ignore[attr-defined]
+    return ctl
+
+
+def drive(
+    ctl: Controller, timeout: float, until: Callable[[CycleReport], bool] | None = None
+) -> list[CycleReport]:
+    """Run cycles every interval until `until(report)` or the timeout."""
+    reports: list[CycleReport] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        reports.append(ctl.step())
+        if until is not None and until(reports[-1]):
+            return reports
+        time.sleep(max(0.0, ctl.interval - (time.monotonic() - started)))
+    if until is not None:
+        raise AssertionError(f"not reached in {timeout:.0f} s; last: {reports[-1]}")
+    return reports
+
+
+def actual_of(report: CycleReport, name: str) -> int:
+    sample = next(s for s in report.samples if s.name == name)
+    assert sample.actual is not None
+    return sample.actual
+
+
+def in_background(func: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            func()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def grow_in_steps(vm: VM, steps: int, step_mib: int, pause: float) -> None:
+    """A workload whose working set grows `step_mib` at a time and is held."""
+    for i in range(steps):
+        vm.agent.check(f"thinvm-mem hold {step_mib} --pidfile /run/grow-{i}.pid", timeout=120)
+        time.sleep(pause)
+
+
+def test_freed_memory_is_ballooned_down_and_given_back_before_the_guest_stalls(
+    make_vm: VMFactory,
+) -> None:
+    vm = make_vm(guest_config("bal-a"))
+    balloon.enable_stats(vm, 1)
+    # The guest uses 600 MiB, then frees it: the host keeps the pages (no reporting).
+    workload.touch(vm.agent, 600 * MiB)
+    rss_before = vm.host_memory().rss
+    ctl = controller([vm])
+    started = time.monotonic()
+    reports = drive(ctl, 90, until=lambda r: actual_of(r, "bal-a") <= 450 * MiB)
+    shrink_seconds = time.monotonic() - started
+    rss_low = vm.host_memory().rss
+    assert rss_before - rss_low >= 400 * MiB, (
+        f"host RSS {format_size(rss_before)} -> {format_size(rss_low)}"
+    )
+    # The controller never asks for less than the floor.
+    assert min(actual_of(r, "bal-a") for r in reports) >= FLOOR
+
+    # Now the guest's working set grows to 512 MiB, 64 MiB every 2 s.
+    low = actual_of(reports[-1], "bal-a")
+    thread, errors = in_background(lambda: grow_in_steps(vm, 8, 64, 2.0))
+    drive(ctl, 120, until=lambda _r: not thread.is_alive())
+    thread.join()
+    assert not errors, f"guest workload failed: {errors[0]}"
+    final = balloon.query(vm).actual
+    assert final >= low + 400 * MiB, f"actual {format_size(low)} -> {format_size(final)}"
+    assert oom_kills(vm) == 0
+    alive = "for f in /run/grow-*.pid; do kill -0 $(cat $f) && echo up; done | wc -l"
+    held = int(vm.agent.check(alive).stdout)
+    assert held == 8  # every holder is still alive: nothing was killed
+    print(f"shrunk to {format_size(low)} in {shrink_seconds:.1f} s; grew to {format_size(final)}")
+
+
+def test_host_pressure_reclaims_from_the_idle_guest_not_the_busy_one(
+    make_vm: VMFactory,
+) -> None:
+    idle = make_vm(guest_config("bal-idle"))
+    busy = make_vm(guest_config("bal-busy"))
+    for vm in (idle, busy):
+        balloon.enable_stats(vm, 1)
+    # Both have touched 700 MiB, so together they hold more than the budget.
+    workload.touch(idle.agent, 700 * MiB)
+    workload.touch(busy.agent, 700 * MiB)
+    pids = [vm.pid for vm in (idle, busy) if vm.pid is not None]
+    budget = RssBudget(1536 * MiB, lambda: pids)
+    assert budget.used() > budget.limit - 256 * MiB, "the budget is not tight"
+    ctl = controller([idle, busy], host=budget)
+    # The busy guest grows 96 MiB every 2 s from the start.
+    thread, errors = in_background(lambda: grow_in_steps(busy, 6, 96, 2.0))
+    reports = drive(ctl, 150, until=lambda _r: not thread.is_alive())
+    thread.join()
+    assert not errors, f"busy guest's workload failed: {errors[0]}"
+    shrinks = [
+        (r.cycle, d)
+        for r in reports
+        for d in r.decisions
+        if d.acts and d.target is not None and d.target < actual_of(r, d.vm)
+    ]
+    assert not [s for s in shrinks if s[1].vm == "bal-busy"], f"busy guest shrunk: {shrinks}"
+    assert [s for s in shrinks if s[1].vm == "bal-idle"]
+    assert actual_of(reports[-1], "bal-idle") <= 512 * MiB
+    assert balloon.query(busy).actual >= 1 * GiB - 64 * MiB
+    assert oom_kills(busy) == 0 and oom_kills(idle) == 0
+    used = budget.used()
+    assert used <= budget.limit + 64 * MiB, f"guests hold {format_size(used)} over the budget"
+
+
+# -- (c) kill and restart the real `thinvm balance run` ----------------------
+
+
+@pytest.fixture
+def detached_vms() -> Iterator[list[VM]]:
+    """Two detached VMs (as `thinvm up` makes them) with names unique to this run."""
+    vms: list[VM] = []
+    try:
+        for suffix in ("x", "y"):
+            name = f"baltest-{os.getpid()}-{suffix}"
+            config = guest_config(name)
+            vm = VM(config, rundir=run_dir() / name, detached=True)
+            vms.append(vm)
+            vm.start()
+            vm.save_state()
+            # QEMU serves one QMP client at a time: leave it to the controller.
+            vm.monitor.close()  # type: ignore[union-attr]
+            vm.monitor = None
+        yield vms
+    finally:
+        for vm in vms:
+            vm.kill()
+            shutil.rmtree(vm.rundir, ignore_errors=True)
+
+
+def start_controller(names: list[str], state: Path, log: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "thinvm.cli", "balance", "run", "--interval", "1"]
+    args += ["--state", str(state), "--floor", "256M"]
+    for name in names:
+        args += ["--vm", name]
+    out = open(log, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        out.close()
+
+
+def wait_for_line(log: Path, text: str, timeout: float, after: int = 0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.read_text()[after:].count(text):
+            return
+        time.sleep(0.05)
+    tail = log.read_text()[-2000:]
+    raise AssertionError(f"no {text!r} in the controller log within {timeout:.0f} s:\n{tail}")
+
+
+@contextlib.contextmanager
+def qmp_of(vm: VM) -> Iterator[VM]:
+    """A QMP connection of our own, while no controller holds QEMU's one."""
+    attached = VM.attach(vm.rundir)
+    try:
+        yield attached
+    finally:
+        attached.disconnect()
+
+
+def settle(vm: VM, quiet: float = 3.0, timeout: float = 60.0) -> int:
+    """`actual` once it has not moved for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = balloon.query(vm).actual, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = balloon.query(vm).actual
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return now
+    raise AssertionError(f"{vm.config.name}: balloon did not settle")
+
+
+def targets_sent(log: str, name: str) -> set[str]:
+    """The targets the controller's log says it sent to `name` (as printed)."""
+    sent = set()
+    for line in log.splitlines():
+        if f" {name}: set " in line or f" {name}: resume: target " in line:
+            if ": set " in line:
+                sent.add(line.split(" -> ", 1)[1].split(":", 1)[0])
+            else:
+                sent.add(line.split("target ", 1)[1].split(" re-sent", 1)[0])
+    return sent
+
+
+def test_killed_controller_leaves_valid_targets_and_a_restart_resumes(
+    detached_vms: list[VM], tmp_path: Path
+) -> None:
+    names = [vm.config.name for vm in detached_vms]
+    for vm in detached_vms:
+        workload.touch(vm.agent, 600 * MiB)
+    state, log = tmp_path / "state.json", tmp_path / "balance.log"
+    log.write_text("")
+    proc = start_controller(names, state, log)
+    try:
+        wait_for_line(log, ": set ", 90)  # the first target is on its way
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    saved = load_status(state)
+    assert any(saved["vms"][n]["target"] is not None for n in names)
+    # Every guest runs on, and its balloon settles at a target the
+    # controller sent (or the one it started with): never half of one.
+    for machine in detached_vms:
+        assert machine.agent.ping()
+        with qmp_of(machine) as vm:
+            assert vm.qmp("query-status")["status"] == "running"
+            settled = settle(vm)
+        assert FLOOR <= settled <= 1 * GiB
+        sent = targets_sent(log.read_text(), machine.config.name)
+        assert format_size(settled) in {*sent, format_size(1 * GiB)}, (settled, sent)
+        saved_target = saved["vms"][machine.config.name]["target"]
+        if saved_target is not None:
+            assert format_size(saved_target) in {*sent, format_size(1 * GiB)} or (
+                settled > saved_target  # written, then killed before sending
+            )
+
+    before = len(log.read_text())
+    proc = start_controller(names, state, log)
+    try:
+        wait_for_line(log, "resumed at cycle", 30, after=before)
+        wait_for_line(log, "re-sent", 5, after=before)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            vms = load_status(state)["vms"]
+            if all(vms[name]["actual"] <= 450 * MiB for name in names):
+                break
+        else:
+            raise AssertionError("the restarted controller did not carry on shrinking")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    status = load_status(state)
+    assert status["cycle"] > saved["cycle"]
+    for vm in detached_vms:
+        assert vm.agent.ping()
+        assert oom_kills(vm) == 0
