@@ -478,3 +478,25 @@ def test_mom_averages_the_last_ten_samples() -> None:
     assert len(plan.states["a"].history) == 10
     # the average free (450 MiB) still lets it shrink the full 5 %
     assert plan.decisions[0].target == int(600 * MiB * 0.95)
+
+
+def test_recorded_6_12_stall_makes_the_policy_deflate_at_once() -> None:
+    """A real 6.12 guest ballooned to 400 MiB, then touching all its free memory.
+
+    Its report after the touch shows 34 allocation stalls and one OOM kill
+    (the toucher); the next cycle must give memory back, not hold.
+    """
+    recorded = json.loads((DATA / "guest-stats-6.12-stall.json").read_text())
+    actual = recorded["actual"]
+    policy = ThinvmPolicy()
+    states: dict[str, VmState] = {}
+    for cycle, key in enumerate(("before", "before", "after")):
+        reply = recorded[key]
+        sample = VmSample(
+            "g", 1 * GiB, actual, parse_guest_stats(reply, now=reply["last-update"] + 1)
+        )
+        plan = run(policy, [sample], states=states, cycle=cycle)
+        states = plan.states
+    decision = plan.decisions[0]
+    assert decision.target is not None and decision.target > actual
+    assert "alloc stalls +34" in decision.reason and "oom kills +1" in decision.reason
