@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,6 +22,32 @@ def qemu_pids(name: str | None = None) -> set[int]:
         cmd = ["pgrep", "-f", f"qemu-system-x86_64 -name thinvm-{name} "]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
+
+
+# What a thinvm command must never print: a traceback, or asyncio's
+# complaints about a QMP connection that outlived its event loop.
+CLI_NOISE = ("Traceback", "Exception ignored", "Task was destroyed", "no running event loop")
+
+
+def assert_clean_stderr(stderr: str, what: str) -> None:
+    for word in CLI_NOISE:
+        assert word not in stderr, f"{what} printed {word!r}:\n{stderr}"
+
+
+def thinvm_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run `thinvm ARGS` as a user would; its stderr must be free of tracebacks."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinvm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert_clean_stderr(proc.stderr, f"thinvm {' '.join(args)}")
+    return proc
 
 
 @pytest.fixture(autouse=True)

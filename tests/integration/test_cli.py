@@ -2,19 +2,16 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import qemu_pids
+from tests.conftest import qemu_pids, thinvm_cli
 
 pytestmark = pytest.mark.guest
 
 
 def thinvm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "thinvm.cli", *args], capture_output=True, text=True, timeout=600
-    )
+    proc = thinvm_cli(*args)
     if check and proc.returncode != 0:
         raise AssertionError(f"thinvm {' '.join(args)} failed: {proc.stderr}")
     return proc

@@ -8,14 +8,13 @@ and huge pages, all removed afterwards.
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import VMFactory, qemu_pids
+from tests.conftest import VMFactory, qemu_pids, thinvm_cli
 from tests.unit.test_pool import pattern_pages
 from thinvm import pool
 from thinvm.guest import workload
@@ -315,8 +314,7 @@ def test_free_page_reporting_returns_whole_huge_pages(
 
 
 def _thinvm(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "thinvm.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return thinvm_cli(*args)
 
 
 @pytest.mark.guest

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import assert_clean_stderr
 from thinvm.paths import REPO
 
 pytestmark = pytest.mark.guest
 
 THINVM = str(Path(sys.executable).with_name("thinvm"))
-# What stderr must never show: a traceback, or asyncio's complaints about
-# a QMP connection that outlived its event loop.
-NOISE = ("Traceback", "Exception ignored", "Task was destroyed", "RuntimeError")
 # What each README command must print on stdout (a regular expression).
 EXPECTED = {
     "version": r"^stock .*\npatched ",
@@ -60,8 +58,7 @@ def run(
 
 def check_clean(proc: subprocess.CompletedProcess[str], argv: list[str]) -> None:
     assert proc.returncode == 0, f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr}"
-    for word in NOISE:
-        assert word not in proc.stderr, f"{shlex.join(argv)} printed {word!r}:\n{proc.stderr}"
+    assert_clean_stderr(proc.stderr, shlex.join(argv))
 
 
 @pytest.fixture
