@@ -1,0 +1,455 @@
+"""overcommit: seed 004's memhog experiment, scaled to a 2-core TCG host.
+
+N guests whose RAM adds up to well over a host budget (a cgroup-v1 memory
+cgroup, with a swap file so going over it is slow, not fatal) each run a
+phased workload: grow a working set in steps, hold it, free it, idle,
+repeat; guests start staggered so their peaks do not all coincide.  The
+same workload runs under five setups and, first, without any budget
+(the completion-time reference).
+
+Plot of the cgroup's memory over time, one line per variant:
+`python -m thinvm.bench.overcommit plot bench/results/overcommit-STAMP.json`.
+"""
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thinvm.balance.backends import CgroupBudget, ThinvmBackend
+from thinvm.balance.daemon import Controller
+from thinvm.balance.model import VmLimits
+from thinvm.balance.policies import make_policy
+from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Variant
+from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
+from thinvm.errors import ThinvmError
+from thinvm.host.memory import host_meminfo
+from thinvm.units import MiB, format_size, parse_size
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
+
+FLOOR = 256 * MiB
+SLOW = 1.2  # a guest whose work took longer than this x unconstrained did not "fit"
+
+
+@dataclass
+class Workload:
+    """One guest's phased memhog: rounds of grow / hold / free / idle."""
+
+    rounds: int
+    wss: int  # working set at the peak, bytes
+    step: int  # grown per step, bytes
+    step_pause: float
+    hold: float
+    idle: float
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.wss // self.step)
+
+
+@dataclass
+class GuestRun:
+    name: str
+    step_seconds: list[float] = field(default_factory=list)
+    finished: bool = False
+    error: str = ""
+    oom_kills: int | None = None
+
+    @property
+    def work_seconds(self) -> float:
+        return sum(self.step_seconds)
+
+
+def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: threading.Event) -> None:
+    """The workload of one guest, through its agent (never its QMP monitor)."""
+    try:
+        if stop.wait(delay):
+            return
+        for _ in range(work.rounds):
+            for k in range(work.steps):
+                started = time.monotonic()
+                cmd = f"thinvm-mem hold {work.step // MiB} --pidfile /run/ph-{k}.pid"
+                vm.agent.check(cmd, timeout=300)
+                out.step_seconds.append(time.monotonic() - started)
+                if stop.wait(work.step_pause):
+                    return
+            if stop.wait(work.hold):
+                return
+            vm.agent.check(
+                "for f in /run/ph-*.pid; do kill $(cat $f) 2>/dev/null; done; rm -f /run/ph-*.pid",
+                timeout=60,
+            )
+            if stop.wait(work.idle):
+                return
+        out.finished = True
+    except ThinvmError as exc:
+        out.error = str(exc)[:300]
+
+
+def guest_oom_kills(vm: VM) -> int | None:
+    try:
+        text = vm.agent.check("cat /proc/vmstat", timeout=30).stdout
+    except ThinvmError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
+
+
+def swap_used() -> int:
+    info = host_meminfo()
+    return info.get("SwapTotal", 0) - info.get("SwapFree", 0)
+
+
+@contextlib.contextmanager
+def swap_file(size: int, directory: Path = Path("/var/tmp")) -> Iterator[Path | None]:
+    """A swap file for the run; always switched off and removed after."""
+    if size <= 0:
+        yield None
+        return
+    path = directory / f"thinvm-overcommit-{os.getpid()}.swap"
+    try:
+        subprocess.run(["fallocate", "-l", str(size), str(path)], check=True, capture_output=True)
+        path.chmod(0o600)
+        subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+        subprocess.run(["swapon", str(path)], check=True, capture_output=True)
+        yield path
+    except subprocess.CalledProcessError as exc:
+        raise ThinvmError(f"swap file {path}: {exc.stderr.decode().strip()}") from exc
+    finally:
+        subprocess.run(["swapoff", str(path)], check=False, capture_output=True)
+        path.unlink(missing_ok=True)
+
+
+@dataclass
+class Setup:
+    """What one variant changes: the budget, reporting, the controller."""
+
+    limited: bool
+    reporting: bool
+    policy: str | None
+
+
+@dataclass
+class Shared:
+    """State across the variants of one scenario run."""
+
+    reference_work: float | None = None  # unconstrained median per-guest work seconds
+
+
+def _boot(cgroup: MemoryCgroup, stack: contextlib.ExitStack, config: VMConfig) -> VM:
+    vm = VM(config)
+    with spawn_in(cgroup):
+        vm.start(wait_agent=False)
+    stack.callback(vm.kill)
+    vm.wait_agent()
+    return vm
+
+
+class Sampler:
+    """The cgroup's memory and the host's swap, once a second."""
+
+    def __init__(self, cgroup: MemoryCgroup, swap_before: int) -> None:
+        self.cgroup, self.swap_before = cgroup, swap_before
+        self.start = time.monotonic()
+        self.t: list[float] = []
+        self.usage: list[int] = []
+        self.swap: list[int] = []
+        self._next = 0.0
+
+    def maybe_sample(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + 1.0
+        self.t.append(round(now - self.start, 1))
+        self.usage.append(self.cgroup.usage())
+        self.swap.append(max(0, swap_used() - self.swap_before))
+
+
+def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    guests = int(params["guests"])
+    budget = parse_size(params["budget"])
+    swap = parse_size(params["swap"])
+    stagger = float(params["stagger"])
+    interval = float(params["interval"])
+    deadline = float(params["deadline"])
+    work = Workload(
+        rounds=int(params["rounds"]),
+        wss=parse_size(params["wss"]),
+        step=parse_size(params["step"]),
+        step_pause=float(params["step_pause"]),
+        hold=float(params["hold"]),
+        idle=float(params["idle"]),
+    )
+    shared = Shared()
+
+    def config(name: str, reporting: bool) -> VMConfig:
+        return VMConfig(
+            name=name,
+            build=opts.build,
+            memory=size,
+            accel=opts.accel,
+            kernel=opts.kernel,
+            guest_driver=opts.driver,
+            balloon=BalloonOptions(free_page_reporting=reporting),
+        )
+
+    def measure(setup: Setup, ctx: RunContext) -> Metrics:
+        limit = budget if setup.limited else 64 * size * guests
+        swap_before = swap_used()
+        with memory_cgroup(limit) as cgroup, contextlib.ExitStack() as stack:
+            vms: list[VM] = []
+            for i in range(guests):
+                ctx.step(f"booting guest {i + 1}/{guests}")
+                vms.append(_boot(cgroup, stack, config(f"oc{i}", setup.reporting)))
+            runs = [GuestRun(vm.config.name) for vm in vms]
+            stop = threading.Event()
+            threads = [
+                threading.Thread(
+                    target=run_phases, args=(vm, work, i * stagger, runs[i], stop), daemon=True
+                )
+                for i, vm in enumerate(vms)
+            ]
+            controller = _controller(setup, vms, cgroup, interval)
+            sampler = Sampler(cgroup, swap_before)
+            for thread in threads:
+                thread.start()
+            started = time.monotonic()
+            try:
+                _drive(controller, sampler, threads, started + deadline, ctx, runs)
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(timeout=30)
+                if controller is not None:
+                    controller.backend.close()
+            for vm, run in zip(vms, runs, strict=True):
+                run.oom_kills = guest_oom_kills(vm) if vm.alive() else None
+            host_ooms = cgroup.oom_kills()
+            peak = cgroup.max_usage()
+            alive = [vm.alive() for vm in vms]
+        return _metrics(setup, runs, alive, host_ooms, peak, sampler, controller, ctx, shared)
+
+    def variant(name: str, setup: Setup, text: str) -> Variant:
+        return Variant(name, lambda ctx: measure(setup, ctx), text)
+
+    reporting = "free page reporting"
+    return Scenario(
+        name="overcommit",
+        title="guests overcommitted under a memory budget: balloon policies",
+        description=(
+            f"{guests} guests of {format_size(size)} (together "
+            f"{format_size(guests * size)}) share a cgroup-v1 memory budget of "
+            f"{format_size(budget)}, with a {format_size(swap)} swap file so going "
+            f"over it is slow rather than fatal. Each guest, started {stagger:g} s after "
+            f"the previous one, runs {work.rounds} round(s) of: grow a working set to "
+            f"{format_size(work.wss)} in {format_size(work.step)} steps "
+            f"({work.step_pause:g} s apart), hold it {work.hold:g} s, free it, idle "
+            f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
+            "in the growth steps (what slows down when the host swaps or the guest "
+            f"waits for its balloon); `fit_guests` counts guests that finished with "
+            f"no guest or host OOM kill and `work_s` within {SLOW}x of the "
+            "unconstrained run's median. Controllers run every "
+            f"{interval:g} s with a floor of {format_size(FLOOR)}; the anchors' "
+            "per-10-s rate caps are scaled to that interval. The cgroup's memory over "
+            "time is in the result JSON (`info.series`) and in the memory plot."
+        ),
+        variants=[
+            variant("unconstrained", Setup(False, False, None), "no budget: the time reference"),
+            variant("stock", Setup(True, False, None), "budget; no reporting, no controller"),
+            variant("reporting", Setup(True, True, None), f"budget; {reporting} only"),
+            variant("proxmox", Setup(True, True, "proxmox"), f"{reporting} + pvestatd rules"),
+            variant("mom", Setup(True, True, "mom"), f"{reporting} + oVirt MOM rules"),
+            variant("thinvm", Setup(True, True, "thinvm"), f"{reporting} + thinvm balance"),
+        ],
+        main_metric="fit_guests",
+        second_metric="work_s",
+        baseline="stock",
+        params={
+            "guests": guests,
+            "size": format_size(size),
+            "budget": format_size(budget),
+            "swap": format_size(swap),
+            "rounds": work.rounds,
+            "wss": format_size(work.wss),
+            "step": format_size(work.step),
+            "step_pause_s": work.step_pause,
+            "hold_s": work.hold,
+            "idle_s": work.idle,
+            "stagger_s": stagger,
+            "interval_s": interval,
+            "kernel": opts.kernel,
+        },
+        context=lambda: swap_file(swap),
+    )
+
+
+def _controller(
+    setup: Setup, vms: list[VM], cgroup: MemoryCgroup, interval: float
+) -> Controller | None:
+    if setup.policy is None:
+        return None
+    return Controller(
+        ThinvmBackend(vms),
+        CgroupBudget(cgroup.path.name),
+        make_policy(setup.policy),
+        interval=interval,
+        default_limits=lambda memory: VmLimits(FLOOR, memory),
+        log=lambda _line: None,
+    )
+
+
+def _drive(
+    controller: Controller | None,
+    sampler: Sampler,
+    threads: list[threading.Thread],
+    deadline: float,
+    ctx: RunContext,
+    runs: list[GuestRun],
+) -> None:
+    """Cycle the controller (this thread owns every QMP monitor) and sample."""
+    next_cycle = time.monotonic()
+    while any(t.is_alive() for t in threads):
+        now = time.monotonic()
+        if now > deadline:
+            ctx.note("deadline_hit", True)
+            return
+        sampler.maybe_sample()
+        if controller is not None and now >= next_cycle:
+            with contextlib.suppress(ThinvmError, OSError):
+                controller.step()
+            next_cycle = now + controller.interval
+        done = sum(len(r.step_seconds) for r in runs)
+        ctx.step(
+            f"{done} steps done, cgroup {format_size(sampler.usage[-1] if sampler.usage else 0)}"
+        )
+        time.sleep(0.1)
+
+
+def _metrics(
+    setup: Setup,
+    runs: list[GuestRun],
+    alive: list[bool],
+    host_ooms: int,
+    peak: int,
+    sampler: Sampler,
+    controller: Controller | None,
+    ctx: RunContext,
+    shared: Shared,
+) -> Metrics:
+    works = [r.work_seconds for r in runs if r.finished]
+    work = statistics.median(works) if works else None
+    if not setup.limited and work is not None:
+        shared.reference_work = work
+    guest_ooms = sum(r.oom_kills or 0 for r in runs)
+    fit: int | None = None
+    if shared.reference_work is not None:
+        limit = SLOW * shared.reference_work
+        fit = sum(
+            1
+            for r, up in zip(runs, alive, strict=True)
+            if up and r.finished and not r.oom_kills and r.work_seconds <= limit
+        )
+    ctx.note("series", {"t": sampler.t, "usage": sampler.usage, "swap": sampler.swap})
+    ctx.note(
+        "guests",
+        [
+            {
+                "name": r.name,
+                "finished": r.finished,
+                "work_s": round(r.work_seconds, 2),
+                "steps": len(r.step_seconds),
+                "oom_kills": r.oom_kills,
+                "error": r.error,
+            }
+            for r in runs
+        ],
+    )
+    return {
+        "fit_guests": fit,
+        "finished_guests": sum(1 for r in runs if r.finished),
+        "work_s": work,
+        "work_max_s": max(works) if works else None,
+        "guest_oom_kills": guest_ooms,
+        "host_oom_kills": host_ooms,
+        "swap_peak_bytes": max(sampler.swap, default=0),
+        "peak_bytes": peak,
+        "mean_bytes": int(statistics.mean(sampler.usage)) if sampler.usage else None,
+        "balloon_actions": controller.actions if controller is not None else 0,
+    }
+
+
+def plot_memory(result_path: Path) -> Path:
+    """One line per variant: the cgroup's memory over time (first run of each)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(result_path.read_text())
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    seen: set[str] = set()
+    for run in result["runs"]:
+        series = run.get("info", {}).get("series")
+        if not series or run["variant"] in seen:
+            continue
+        seen.add(run["variant"])
+        ax.plot(series["t"], [u / 2**30 for u in series["usage"]], label=run["variant"])
+    budget = parse_size(str(result["params"]["budget"]).replace(" ", ""))
+    ax.axhline(budget / 2**30, color="grey", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("seconds since the workload started")
+    ax.set_ylabel("cgroup memory (GiB)")
+    ax.set_title("overcommit: guests' host memory over time")
+    ax.legend()
+    out = result_path.with_name(result_path.stem + "-memory.png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "plot":
+        print(plot_memory(Path(argv[1])))
+        return 0
+    print("usage: python -m thinvm.bench.overcommit plot RESULT.json", file=sys.stderr)
+    return 2
+
+
+SPEC: dict[str, Any] = {
+    "name": "overcommit",
+    "title": "overcommitted guests under a budget: stock, reporting, proxmox, mom, thinvm",
+    "make": make_overcommit,
+    "default_size": "1G",
+    "size_help": "RAM per guest",
+    "default_runs": 1,
+    "params": {
+        "guests": "4",
+        "budget": "2G",
+        "swap": "2G",
+        "rounds": "2",
+        "wss": "640M",
+        "step": "64M",
+        "step_pause": "0.5",
+        "hold": "4",
+        "idle": "8",
+        "stagger": "10",
+        "interval": "1",
+        "deadline": "600",
+    },
+}
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
