@@ -500,3 +500,22 @@ def test_recorded_6_12_stall_makes_the_policy_deflate_at_once() -> None:
     decision = plan.decisions[0]
     assert decision.target is not None and decision.target > actual
     assert "alloc stalls +34" in decision.reason and "oom kills +1" in decision.reason
+
+
+def test_calm_host_leaves_a_reporting_guests_free_memory_to_reporting() -> None:
+    sample = VmSample("a", 1 * GiB, 1 * GiB, stats(free=800 * MiB), reporting=True)
+    plan, _ = settle(ThinvmPolicy(), sample, cycles=6)
+    assert plan.decisions[0].target is None
+    assert "free page reporting" in plan.decisions[0].reason
+
+
+def test_reporting_guest_is_shrunk_under_pressure_and_given_back_when_calm() -> None:
+    policy = ThinvmPolicy()
+    sample = VmSample("a", 1 * GiB, 1 * GiB, stats(free=800 * MiB), reporting=True)
+    squeezed = HostSample(total=4 * GiB, available=100 * MiB, psi_some_avg10=30.0)
+    plan, states = settle(policy, sample, cycles=5, host=squeezed)
+    assert states["a"].target is not None and states["a"].target < 1 * GiB
+    shrunk = states["a"].target
+    shrunk_sample = VmSample("a", 1 * GiB, shrunk, stats(free=shrunk - 224 * MiB), reporting=True)
+    plan = run(policy, [shrunk_sample], states=states, cycle=6)
+    assert plan.decisions[0].target == shrunk + policy.params.inflate_step

@@ -196,6 +196,7 @@ class ThinvmBackend:
             migrating=migrating,
             backing=_backing_of(config, mem.anon_huge),
             host_rss=mem.rss,
+            reporting=config.balloon.free_page_reporting,
         )
 
     def set_target(self, vm: str, target: int) -> None:

@@ -115,6 +115,7 @@ class VmSample:
     migrating: bool = False
     backing: Backing = Backing.ANONYMOUS
     host_rss: int | None = None
+    reporting: bool = False  # free page reporting on: its free memory is the host's already
 
 
 @dataclass(frozen=True)

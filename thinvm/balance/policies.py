@@ -85,6 +85,8 @@ class ThinvmParams:
     stuck_limit: int = 5  # cycles a target may go unfollowed
     retry_after: int = 60  # cycles before asking an unresponsive driver again
     tolerance: int = 8 * MiB  # |actual - target| that counts as reached
+    # A guest with free page reporting is shrunk only under host pressure.
+    leave_reported_free: bool = True
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,14 @@ class ThinvmPolicy:
         )
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
         may_shrink = calm_enough and inputs.cycle >= state.cooldown_until
+        if vm.reporting and not host.pressure and p.leave_reported_free:
+            # Free page reporting already gives the host the guest's free
+            # memory; a balloon would only make the guest wait for it when
+            # it grows.  Give back what earlier pressure took, a step a cycle.
+            current = state.target if state.target is not None else vm.actual
+            give_back = min(limits.ceiling, max(desired, current + p.inflate_step))
+            why = f"host calm and free page reporting on: give back ({reason})"
+            return _Want(vm, limits, state, give_back, why)
         return _Want(vm, limits, state, desired, reason, may_shrink=may_shrink)
 
     def _headroom(self, vm: VmSample, growth: int) -> int:

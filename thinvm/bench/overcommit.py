@@ -26,7 +26,7 @@ from typing import Any
 from thinvm.balance.backends import CgroupBudget, ThinvmBackend
 from thinvm.balance.daemon import Controller
 from thinvm.balance.model import VmLimits
-from thinvm.balance.policies import make_policy
+from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
 from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
 from thinvm.errors import ThinvmError
@@ -271,6 +271,11 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             variant("proxmox", Setup(True, True, "proxmox"), f"{reporting} + pvestatd rules"),
             variant("mom", Setup(True, True, "mom"), f"{reporting} + oVirt MOM rules"),
             variant("thinvm", Setup(True, True, "thinvm"), f"{reporting} + thinvm balance"),
+            variant(
+                "thinvm-eager",
+                Setup(True, True, "thinvm-eager"),
+                f"{reporting} + thinvm balance shrinking free memory on a calm host too",
+            ),
         ],
         main_metric="fit_guests",
         second_metric="work_s",
@@ -299,10 +304,15 @@ def _controller(
 ) -> Controller | None:
     if setup.policy is None:
         return None
+    policy: Policy
+    if setup.policy == "thinvm-eager":
+        policy = ThinvmPolicy(ThinvmParams(leave_reported_free=False))
+    else:
+        policy = make_policy(setup.policy)
     return Controller(
         ThinvmBackend(vms),
         CgroupBudget(cgroup.path.name),
-        make_policy(setup.policy),
+        policy,
         interval=interval,
         default_limits=lambda memory: VmLimits(FLOOR, memory),
         log=lambda _line: None,
