@@ -131,3 +131,22 @@ def test_migrating_from_jobinfo() -> None:
     assert not migrating_from_jobinfo(idle)
     assert migrating_from_jobinfo(out)
     assert not migrating_from_jobinfo(save)
+
+
+def test_host_sources_read_this_host() -> None:
+    import os
+
+    from thinvm.balance.backends import CgroupBudget, RssBudget, WholeHost
+
+    host = WholeHost().sample()
+    assert 0 < host.available <= host.total
+    budget = RssBudget(64 * GiB, lambda: [os.getpid()])
+    assert 0 < budget.used() < 4 * GiB
+    sample = budget.sample()
+    assert sample.total == 64 * GiB and sample.available <= host.total
+    try:
+        CgroupBudget("thinvm-no-such-cgroup-here").sample()
+    except ThinvmError as exc:
+        assert "does not exist" in str(exc)
+    else:
+        raise AssertionError("a missing cgroup must be an error")
