@@ -50,7 +50,7 @@ def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
 def cmd_xml(args: argparse.Namespace) -> int:
     """Print the domain XML of a thinvm guest (the documented example)."""
     image = guest.ensure_disk_image(args.kernel)
-    shared = cluster.cluster_dir() / "shared"
+    shared = cluster.shared_dir(cluster.cluster_dir())
     print(domain_xml(guest.spec_for(_guest_spec(args), image, shared)), end="")
     return 0
 
@@ -59,7 +59,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     host = state.host(args.host)
     image = guest.ensure_disk_image(args.kernel)
-    spec = guest.spec_for(_guest_spec(args), image, cluster.cluster_dir() / "shared")
+    spec = guest.spec_for(_guest_spec(args), image, cluster.shared_dir(cluster.cluster_dir()))
     guest.define(host, spec, image)
     try:
         cluster.virsh(host, "start", args.name)

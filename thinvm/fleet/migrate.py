@@ -88,7 +88,7 @@ class _SourcePoller(threading.Thread):
     def run(self) -> None:
         with contextlib.suppress(ThinvmError):
             caps = qmp(self.host, self.name, "query-migrate-capabilities")
-            self.caps = {c["capability"]: bool(c["state"]) for c in caps}
+            self.caps = {c["capability"]: True for c in caps if c["state"]}
         while not self.stop.is_set():
             with contextlib.suppress(ThinvmError):
                 info = qmp(self.host, self.name, "query-migrate")
@@ -137,7 +137,9 @@ def migrate(
         poller.stop.set()
         poller.join()
     seconds = time.monotonic() - start
-    job = parse_jobinfo(virsh(source, "domjobinfo", name, "--completed"))
+    # The source forgot the domain (--undefinesource); the destination
+    # keeps the statistics of the incoming job.
+    job = parse_jobinfo(virsh(destination, "domjobinfo", name, "--completed"))
     return MigrationResult(
         seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps
     )

@@ -1,0 +1,152 @@
+"""Pure logic of thinvm.fleet: domain XML, host configuration, parsing."""
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from thinvm.errors import ThinvmError
+from thinvm.fleet import cluster, emulator, migrate
+from thinvm.fleet.domain import BALLOON_ALIAS, QEMU_NS, DomainSpec, domain_xml
+from thinvm.units import MiB
+
+Q = f"{{{QEMU_NS}}}"
+
+
+def spec(**kw: object) -> DomainSpec:
+    base: dict[str, object] = dict(
+        name="vm1",
+        emulator=Path("/usr/local/lib/thinvm/qemu-patched/qemu-system-x86_64"),
+        kernel=Path("/img/vmlinuz"),
+        initrd=Path("/img/initrd.img"),
+        disk=Path("/shared/vm1.qcow2"),
+        memory=1024 * MiB,
+    )
+    base.update(kw)
+    return DomainSpec(**base)  # type: ignore[arg-type]
+
+
+def parse(s: DomainSpec) -> ET.Element:
+    return ET.fromstring(domain_xml(s))
+
+
+def test_thinvm_domain_has_every_feature() -> None:
+    root = parse(spec(sparse_ram="sparse-ram"))
+    balloon = root.find("devices/memballoon")
+    assert balloon is not None
+    assert balloon.get("freePageReporting") == "on" and balloon.get("autodeflate") == "on"
+    assert root.find("devices/memballoon/stats").get("period") == "2"  # type: ignore[union-attr]
+    assert root.find("devices/memballoon/alias").get("name") == BALLOON_ALIAS  # type: ignore[union-attr]
+    args = [a.get("value") for a in root.iter(f"{Q}arg")]
+    assert args == ["-global", "migration.sparse-ram=on"]
+    dev = root.find(f"{Q}override/{Q}device")
+    assert dev is not None and dev.get("alias") == BALLOON_ALIAS
+    props = {p.get("name"): p.get("value") for p in dev.iter(f"{Q}property")}
+    assert props == {"ranges": "true"}
+    assert root.find("devices/emulator").text.endswith("qemu-patched/qemu-system-x86_64")  # type: ignore[union-attr]
+    assert root.find("devices/disk/driver").get("cache") == "none"  # type: ignore[union-attr]
+    assert root.find("features/acpi") is not None
+
+
+def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
+    root = parse(spec(ranges=False, sparse_ram=None, free_page_hint=True))
+    assert root.find(f"{Q}commandline") is None
+    props = {p.get("name"): p.get("value") for p in root.iter(f"{Q}property")}
+    assert props == {"free-page-hint": "true", "iothread": "iothread1"}
+    assert root.findtext("iothreads") == "1"
+
+
+def test_capability_name_follows_a_rename(tmp_path: Path) -> None:
+    assert emulator.sparse_ram_capability() in ("sparse-ram", "x-sparse-ram")
+    (tmp_path / "0002-migration-add-the-sparse-ram-capability.patch").write_text(
+        '+    DEFINE_PROP_MIG_CAP("x-sparse-ram", MIGRATION_CAPABILITY_SPARSE_RAM),\n'
+    )
+    assert emulator.sparse_ram_capability(tmp_path) == "x-sparse-ram"
+    root = parse(spec(sparse_ram="x-sparse-ram"))
+    assert "migration.x-sparse-ram=on" in [a.get("value") for a in root.iter(f"{Q}arg")]
+
+
+def test_capability_missing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ThinvmError, match="no sparse-ram capability"):
+        emulator.sparse_ram_capability(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"name": "bad name"},
+        {"name": ""},
+        {"memory": 64 * MiB},
+        {"memory": 1000 * MiB + 1},
+        {"current_memory": 2048 * MiB},
+        {"cpus": 0},
+    ],
+)
+def test_invalid_domains_are_refused(kw: dict[str, object]) -> None:
+    with pytest.raises(ThinvmError):
+        domain_xml(spec(**kw))
+
+
+def test_names_are_escaped_not_injected() -> None:
+    root = parse(spec(cmdline="root=/dev/vda <&> quiet"))
+    assert root.findtext("os/cmdline") == "root=/dev/vda <&> quiet"
+
+
+def test_hosts_get_distinct_addresses_uuids_and_trees(tmp_path: Path) -> None:
+    hosts = cluster.plan_hosts(3, tmp_path, stock=["h3"])
+    assert [h.address for h in hosts] == ["10.217.0.1", "10.217.0.2", "10.217.0.3"]
+    assert len({h.host_uuid for h in hosts}) == 3
+    assert [h.flavour for h in hosts] == ["patched", "patched", "stock"]
+    assert len({h.root for h in hosts}) == 3
+    assert hosts[0].uri.endswith(f"socket={tmp_path}/hosts/h1/run/libvirt-sock")
+    assert hosts[1].tcp_uri == "qemu+tcp://10.217.0.2/system"
+
+
+@pytest.mark.parametrize("count,stock", [(0, []), (17, []), (2, ["h3"])])
+def test_bad_cluster_plans_are_refused(tmp_path: Path, count: int, stock: list[str]) -> None:
+    with pytest.raises(ThinvmError):
+        cluster.plan_hosts(count, tmp_path, stock)
+
+
+def test_host_config_listens_only_on_its_own_address(tmp_path: Path) -> None:
+    h = cluster.plan_hosts(2, tmp_path)[1]
+    conf = cluster.libvirtd_conf(h)
+    assert 'listen_addr = "10.217.0.2"' in conf and "listen_tcp = 1" in conf
+    assert f'host_uuid = "{h.host_uuid}"' in conf
+    qconf = cluster.qemu_conf(h, tmp_path / "shared")
+    assert 'migration_address = "10.217.0.2"' in qconf
+    assert f'shared_filesystems = [ "{tmp_path}/shared" ]' in qconf
+
+
+def test_host_script_binds_every_libvirt_tree(tmp_path: Path) -> None:
+    patched, stock = Path("/x/qemu-patched"), Path("/x/qemu-stock")
+    normal, old = cluster.plan_hosts(2, tmp_path, stock=["h2"])
+    script = cluster.host_script(normal, patched, stock)
+    for key, inside in cluster.LIBVIRT_DIRS.items():
+        assert f"mount --bind {normal.root}/{key} {inside}" in script
+    assert "qemu-stock" not in script
+    assert script.rstrip().splitlines()[-1].startswith("exec libvirtd --listen")
+    assert f"mount --bind {stock} {patched}" in cluster.host_script(old, patched, stock)
+
+
+def test_paths_inside_a_host_map_to_its_tree(tmp_path: Path) -> None:
+    h = cluster.plan_hosts(1, tmp_path)[0]
+    inside = "/var/lib/libvirt/qemu/channel/target/domain-1-vm/org.thinvm.agent"
+    assert (
+        h.outside(inside) == Path(h.root) / "lib/qemu/channel/target/domain-1-vm/org.thinvm.agent"
+    )
+    assert h.outside("/elsewhere/x") == Path("/elsewhere/x")
+
+
+def test_jobinfo_parsing() -> None:
+    text = "Job type:         Completed\nData processed:   213.367 MiB\nTotal downtime:   279 ms\n"
+    job = migrate.parse_jobinfo(text)
+    assert job["Job type"] == "Completed" and job["Total downtime"] == "279 ms"
+    assert migrate.job_bytes(job) == int(213.367 * MiB)
+    assert migrate.job_bytes({"Data processed": "12 parsecs"}) is None
+    assert migrate.job_bytes({}) is None
+
+
+def test_load_state_without_a_cluster_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ThinvmError, match="thinvm cluster up"):
+        cluster.load_state(tmp_path)
