@@ -36,6 +36,23 @@ install_packages() {
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
 }
 
+# libvirt 11.3 (the first to know QEMU 10) and the disk image's tools come
+# from bookworm-backports, through debian-apt.sh's private apt
+# configuration (the system's own sources stay untouched).
+backports=(libvirt-daemon-system libvirt-clients libvirt-daemon-driver-qemu qemu-utils mmdebstrap)
+
+install_backports() {
+	local missing=() p
+	for p in "${backports[@]}"; do
+		dpkg-query -W -f='${Status} ${Version}' "$p" 2>/dev/null | grep -q 'install ok installed .*bpo12' ||
+			missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return
+	log "installing from bookworm-backports: ${missing[*]}"
+	APT_CONFIG=$cache/apt/etc/apt.conf DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends -t bookworm-backports "${missing[@]}" >&2
+}
+
 # The venv is rebuilt only when pyproject.toml changes.
 setup_venv() {
 	local stamp=$venv/.thinvm-stamp want
@@ -68,11 +85,17 @@ install_packages
 setup_venv
 point_venv_here
 "$top/scripts/debian-apt.sh" update
+install_backports
 "$top/qemu/build.sh" all
+# Both builds as libvirt emulators under /usr/local/lib/thinvm (libvirt-qemu
+# cannot read /root); refreshed whenever a build changed.
+"$venv/bin/thinvm" fleet install >/dev/null
 # Guest images: Debian's in-tree balloon driver and ours, for both kernels.
 for kernel in 6.1 6.12; do
 	"$top/guest/image/build.sh" --kernel "$kernel" --balloon stock >/dev/null
 	ko=$("$top/guest/balloon/build.sh" "$kernel" | tail -n 1)
 	"$top/guest/image/build.sh" --kernel "$kernel" --balloon "$ko" >/dev/null
+	# The Debian disk image for libvirt guests (docs/fleet.md).
+	"$top/guest/image/build-disk.sh" --kernel "$kernel" >/dev/null
 done
 log "ready: $venv/bin/thinvm"
