@@ -20,39 +20,36 @@
  *  - Order 0: balloon_page_alloc(), as without the feature.  The page
  *    joins the balloon page list and compaction may migrate it
  *    (tb_migrate_page()).  This is the only order that may reclaim.
- *  - Orders 1 to pageblock_order - 1: allocated movable, then split into
- *    order-0 pages that join the balloon page list like the above, so
- *    they stay migratable page by page.  Such a block shares its
- *    pageblock with other memory, so it must stay movable.
- *  - pageblock_order and above (2 MiB and 4 MiB on x86-64): kept whole
- *    on a list of their own, and NOT movable.  Balloon compaction
- *    migrates single pages only; keeping these blocks as 512 movable
- *    balloon pages each costs a struct page update per 4 KiB on inflate
- *    and a single-page free per 4 KiB on deflate: measured under TCG,
- *    deflating 3.5 GiB took 1.3 s that way instead of 0.05 s, and
- *    inflating it 0.2 s instead of 0.05 s (with init_on_alloc=0; the
- *    frame number protocol took about 3 s).  Unmovable is acceptable
- *    here because such a block
- *    fills whole pageblocks: no other page shares a pageblock with it,
- *    so it never stands in the way of compaction assembling a free block
- *    of up to pageblock_order, which covers THP.  It is allocated as
- *    unmovable (no __GFP_MOVABLE), so it never comes from ZONE_MOVABLE or
- *    CMA, where the kernel relies on every page being migratable.  What
- *    it can get in the way of is a contiguous allocation larger than a
- *    pageblock that wants this particular memory (an order-10 buddy
- *    block, a gigantic hugetlb page from alloc_contig_range()), and
- *    offlining this part of ZONE_NORMAL; deflating gives it back, and
- *    deflate-on-OOM does so under memory pressure.  The pageblock keeps
- *    the unmovable type after it is freed until a movable allocation
- *    claims the free pageblock back.
+ *  - Orders 1 and above: allocated movable, then split into order-0
+ *    pages that join the balloon page list like the above, so they stay
+ *    migratable page by page.  The range sent to the device still
+ *    covers the whole block (a whole 2 MiB host huge page); only the
+ *    guest's bookkeeping is per page.  Nothing the balloon holds stands
+ *    in the way of compaction, alloc_contig_range() (gigantic hugetlb
+ *    pages, CMA), memory offlining or virtio-mem unplug, and no
+ *    pageblock changes its migrate type.
+ *  - With the keep_whole_blocks module parameter, blocks of
+ *    pageblock_order and above (2 MiB and 4 MiB on x86-64) are instead
+ *    kept whole on a list of their own, and NOT movable.  That is
+ *    faster (per-page bookkeeping costs a struct page update per 4 KiB
+ *    on inflate and a single-page free per 4 KiB on deflate: measured
+ *    under TCG, deflating 3.5 GiB took 1.3 s that way instead of
+ *    0.05 s, and inflating it 0.2 s instead of 0.05 s, with
+ *    init_on_alloc=0; the frame number protocol took about 3 s), but
+ *    such blocks block gigantic page allocation, offlining and
+ *    virtio-mem unplug of their memory while they are held, and leave
+ *    their pageblocks typed unmovable after deflate.  Balloon compaction
+ *    migrates single pages only, so held whole blocks cannot be moved.
+ *    Off by default.
  *  - Nothing above order 0 reclaims, compacts or wakes kswapd or
  *    kcompactd (no __GFP_RECLAIM bit), and none dips into reserves: the
  *    balloon takes only large blocks that are free anyway and never
  *    makes the guest reclaim or compact to create one.
  *
- * Deflating gives back whole blocks first, newest first, each whole (one
- * range), because they are the unmovable part of the balloon and because
- * the guest and the host both gain a whole huge page from each.  Then
+ * Deflating gives back whole blocks (keep_whole_blocks) first, newest
+ * first, each whole (one range), because they are the unmovable part of
+ * the balloon and because the guest and the host both gain a whole huge
+ * page from each.  Then
  * single pages, newest first: pages of a split block come back in
  * descending order and merge into one range again.  Only when the target
  * needs less than a whole block and no single pages are left is a whole
@@ -84,10 +81,15 @@ static unsigned int tb_block_pages(unsigned int order)
 	return TB_PAGES_PER_PAGE << order;
 }
 
+static bool keep_whole_blocks;
+module_param(keep_whole_blocks, bool, 0444);
+MODULE_PARM_DESC(keep_whole_blocks,
+		 "Keep range blocks of pageblock order and above whole and unmovable: faster, but they block gigantic pages, memory offlining and virtio-mem unplug while held (default N)");
+
 /* Blocks of this order are kept whole and unmovable (see above). */
 static bool tb_order_whole(unsigned int order)
 {
-	return order >= pageblock_order;
+	return keep_whole_blocks && order >= pageblock_order;
 }
 
 /*
