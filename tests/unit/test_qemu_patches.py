@@ -1,6 +1,8 @@
 """The QEMU patch series is well-formed and passes QEMU's checkpatch."""
 
+import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,48 @@ def test_only_the_patched_build_has_ranges() -> None:
             [str(binary), "-device", "virtio-balloon-pci,help"], capture_output=True, text=True
         ).stdout
         assert ("ranges=" in out) == expected, flavour
+
+
+GIGANTIC = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB")
+
+
+@pytest.fixture
+def hugetlbfs_1g(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount with 1 GiB pages; nothing is reserved (QEMU maps it reserve=off)."""
+    if os.geteuid() != 0 or not GIGANTIC.is_dir():
+        pytest.skip("needs root and 1 GiB huge page support")
+    mount = tmp_path / "hugetlbfs-1g"
+    mount.mkdir()
+    subprocess.run(
+        ["mount", "-t", "hugetlbfs", "-o", "pagesize=1G", "none", str(mount)], check=True
+    )
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def start_patched(*args: str) -> subprocess.CompletedProcess[str]:
+    """Start the patched QEMU paused and quit it from its monitor."""
+    binary = cache_dir() / "qemu" / "patched" / "qemu-system-x86_64"
+    cmd = [str(binary), "-M", "pc", "-display", "none", "-S", "-monitor", "stdio", *args]
+    return subprocess.run(cmd, input="quit\n", capture_output=True, text=True, timeout=60)
+
+
+def test_ranges_refused_where_no_range_could_free_a_backing_page(hugetlbfs_1g: Path) -> None:
+    """1 GiB backing pages are larger than any block a driver hands back whole, so a range
+    could never free one: the device refuses to realize instead of advertising a granule
+    nobody honours (review item 7)."""
+    ram = [
+        "-m",
+        "1G",
+        "-object",
+        f"memory-backend-file,id=ram1g,size=1G,mem-path={hugetlbfs_1g},share=on,reserve=off",
+        "-machine",
+        "memory-backend=ram1g",
+    ]
+    refused = start_patched(*ram, "-device", "virtio-balloon-pci,ranges=on")
+    assert refused.returncode != 0
+    assert "cannot free guest RAM backed by 1024 MiB pages ('ram1g')" in refused.stderr
+    plain = start_patched(*ram, "-device", "virtio-balloon-pci")
+    assert plain.returncode == 0, plain.stderr
