@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from thinvm import pool
+from thinvm.bench import fleet as fleet_bench
 from thinvm.bench import overcommit
 from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.bench.probe import (
@@ -1282,6 +1283,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             params={"budget": "1G", "max_guests": "8", "touch": "0.8", "settle_max": "20"},
         ),
         ScenarioSpec(**overcommit.SPEC),
+        ScenarioSpec(**fleet_bench.SPEC),
         ScenarioSpec(
             "start",
             "launch to agent ready with preallocation",

@@ -69,11 +69,13 @@ class GuestSpec:
     kernel: str = "6.1"
     build: str = "patched"  # whose emulator path the domain names
     thinvm: bool = True  # ranges + sparse-ram (False: stock's best)
+    hint: bool = True  # free page hinting (QEMU's, on an iothread)
 
 
 def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
     """The domain for `guest`: thinvm's features, or stock's best
-    (reporting + hinting; multifd is a migration flag) with thinvm=False."""
+    (reporting + hinting; multifd is a migration flag) with thinvm=False.
+    Both hint by default, as thinvm.vm.stack's THINVM and STOCK_BEST do."""
     if guest.thinvm and guest.build == "stock":
         raise ThinvmError(
             "page ranges and sparse-ram need the patched QEMU: use --build patched, "
@@ -89,7 +91,7 @@ def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
         memory=guest.memory,
         console_log=shared / f"{guest.name}.console.log",
         ranges=guest.thinvm,
-        free_page_hint=not guest.thinvm,
+        free_page_hint=guest.hint,
         sparse_ram=emulator.sparse_ram_capability() if guest.thinvm else None,
     )
 
@@ -158,6 +160,16 @@ def guest_info(client: AgentClient) -> dict[str, str]:
     """thinvm-guest-info from inside the guest: kernel, balloon driver."""
     out = client.check("/usr/local/sbin/thinvm-guest-info").stdout
     return dict(_INFO_RE.findall(out))
+
+
+def use_intree_driver(client: AgentClient) -> None:
+    """Swap our driver for the kernel's own virtio_balloon, in a running
+    guest whose balloon is not inflated (the stock-best baseline).  insmod
+    by file: the thinvm package blacklists virtio_balloon for modprobe."""
+    client.check('rmmod thinvm_balloon && insmod "$(modinfo -F filename virtio_balloon)"')
+    driver = guest_info(client).get("balloon_driver")
+    if driver != "virtio_balloon":
+        raise GuestError(f"the in-tree balloon driver did not take the device ({driver})")
 
 
 def domstate(host: Host, name: str) -> str:
