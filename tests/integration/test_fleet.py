@@ -54,7 +54,7 @@ def fleet(images: dict[str, guest.DiskImage]) -> Iterator[ClusterState]:
 def assert_nothing_left(root: Path) -> None:
     """After `down`: no namespace, daemon, QEMU, mount or directory."""
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert cluster.NS_PREFIX not in netns and cluster.FABRIC_NS not in netns, netns
+    assert cluster.ns_prefix(root) not in netns, netns
     procs = subprocess.run(["pgrep", "-af", str(root)], capture_output=True, text=True).stdout
     assert procs == "", procs
     assert str(root) not in Path("/proc/self/mountinfo").read_text()

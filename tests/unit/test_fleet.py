@@ -150,3 +150,12 @@ def test_jobinfo_parsing() -> None:
 def test_load_state_without_a_cluster_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ThinvmError, match="thinvm cluster up"):
         cluster.load_state(tmp_path)
+
+
+def test_clusters_in_different_directories_use_different_namespaces(tmp_path: Path) -> None:
+    default = cluster.plan_hosts(1, Path("/var/lib/thinvm/cluster"))[0]
+    other = cluster.plan_hosts(1, tmp_path)[0]
+    assert default.netns == "thinvm-h1"
+    assert cluster.fabric_ns(Path("/var/lib/thinvm/cluster")) == "thinvm-fabric"
+    assert other.netns != default.netns and other.netns.endswith("-h1")
+    assert cluster.fabric_ns(tmp_path).startswith(cluster.ns_prefix(tmp_path))

@@ -28,6 +28,7 @@ SEED = 1311
 CHANNELS = 2
 TOUCH_LEAVE = 96 * MiB
 PATTERN = "/dev/shm/thinvm-bench-pattern"
+BENCH_CLUSTER = Path("/var/lib/thinvm/bench-cluster")
 
 _state: dict[str, ClusterState] = {}
 
@@ -36,7 +37,8 @@ _state: dict[str, ClusterState] = {}
 def _cluster(link: str) -> Iterator[None]:
     for flavour in ("patched", "stock"):
         emulator.install(flavour)
-    with cluster.running(2, link=link) as state:
+    # A cluster directory of its own: runs next to an operator's cluster.
+    with cluster.running(2, link=link, root=BENCH_CLUSTER) as state:
         _state["cluster"] = state
         try:
             yield

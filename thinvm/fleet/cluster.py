@@ -16,8 +16,10 @@ prefix that the state file does not know about.
 """
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -30,8 +32,7 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator
 from thinvm.progress import ProgressLine
 
-NS_PREFIX = "thinvm-h"
-FABRIC_NS = "thinvm-fabric"
+NS_PREFIX = "thinvm-"  # + "h1".."hN" and "fabric"; see ns_prefix()
 SUBNET = "10.217.0"  # a private /24, only ever inside our namespaces
 BRIDGE = "br0"
 HOST_IF = "eth0"
@@ -52,6 +53,19 @@ def cluster_dir() -> Path:
     return Path(env) if env else Path("/var/lib/thinvm/cluster")
 
 
+def ns_prefix(root: Path) -> str:
+    """Namespace names of the cluster in `root`: thinvm-h1.. for the
+    default directory, thinvm-<tag>-h1.. for others, so that a test or
+    benchmark cluster can run next to an operator's."""
+    if root == Path("/var/lib/thinvm/cluster"):
+        return NS_PREFIX
+    return f"{NS_PREFIX}{hashlib.sha1(str(root).encode()).hexdigest()[:6]}-"
+
+
+def fabric_ns(root: Path) -> str:
+    return f"{ns_prefix(root)}fabric"
+
+
 def shared_dir(root: Path) -> Path:
     """Storage every host sees at the same path (guest disks)."""
     return root / "shared"
@@ -65,10 +79,7 @@ class Host:
     host_uuid: str
     flavour: str  # the QEMU behind the thinvm emulator path on this host
     root: str  # the host's directory (libvirt trees)
-
-    @property
-    def netns(self) -> str:
-        return f"{NS_PREFIX}{self.index}"
+    netns: str
 
     @property
     def socket(self) -> Path:
@@ -178,6 +189,7 @@ def plan_hosts(count: int, root: Path, stock: Sequence[str] = ()) -> list[Host]:
             host_uuid=str(uuid.uuid4()),
             flavour="stock" if name in stock else "patched",
             root=str(root / "hosts" / name),
+            netns=f"{ns_prefix(root)}{name}",
         )
         for i, name in enumerate(names, start=1)
     ]
@@ -232,19 +244,19 @@ def _save_state(root: Path, state: ClusterState) -> None:
     tmp.replace(state_path(root))
 
 
-def _make_fabric(hosts: Sequence[Host], link: str | None) -> None:
-    _run(["ip", "netns", "add", FABRIC_NS], "ip netns add")
-    _run(["ip", "-n", FABRIC_NS, "link", "add", BRIDGE, "type", "bridge"], "bridge")
-    _run(["ip", "-n", FABRIC_NS, "link", "set", BRIDGE, "up"], "bridge up")
+def _make_fabric(hosts: Sequence[Host], link: str | None, fabric: str) -> None:
+    _run(["ip", "netns", "add", fabric], "ip netns add")
+    _run(["ip", "-n", fabric, "link", "add", BRIDGE, "type", "bridge"], "bridge")
+    _run(["ip", "-n", fabric, "link", "set", BRIDGE, "up"], "bridge up")
     for h in hosts:
         _run(["ip", "netns", "add", h.netns], "ip netns add")
         port = f"port{h.index}"
         _run(
             ["ip", "link", "add", HOST_IF, "netns", h.netns, "type", "veth",
-             "peer", "name", port, "netns", FABRIC_NS],
+             "peer", "name", port, "netns", fabric],
             "veth",
         )  # fmt: skip
-        _run(["ip", "-n", FABRIC_NS, "link", "set", port, "master", BRIDGE, "up"], "port")
+        _run(["ip", "-n", fabric, "link", "set", port, "master", BRIDGE, "up"], "port")
         _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", HOST_IF], "addr")
         _run(["ip", "-n", h.netns, "link", "set", HOST_IF, "up"], "link up")
         _run(["ip", "-n", h.netns, "link", "set", "lo", "up"], "lo up")
@@ -321,7 +333,7 @@ def up(
     root = root or cluster_dir()
     if os.geteuid() != 0:
         raise ThinvmError("thinvm cluster needs root (namespaces, libvirtd)")
-    if state_path(root).exists() or _our_namespaces():
+    if state_path(root).exists() or our_namespaces(root):
         raise ThinvmError("a cluster is already up: run 'thinvm cluster down' first")
     for flavour in ("patched", "stock"):
         if not emulator.emulator_path(flavour).is_file():
@@ -335,7 +347,7 @@ def up(
     progress = ProgressLine("cluster: ")
     try:
         progress.update(f"network: {count} hosts, bridge, link {link or 'unlimited'}")
-        _make_fabric(hosts, link)
+        _make_fabric(hosts, link, fabric_ns(root))
         for h in hosts:
             progress.update(f"starting libvirtd on {h.name} ({h.address}, {h.flavour} QEMU)")
             _write_host_tree(h)
@@ -351,10 +363,12 @@ def up(
     return state
 
 
-def _our_namespaces() -> list[str]:
+def our_namespaces(root: Path) -> list[str]:
+    """The namespaces of the cluster in `root` that exist now."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
     names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(NS_PREFIX) or n == FABRIC_NS]
+    mine = re.compile(re.escape(ns_prefix(root)) + r"(h\d+|fabric)")
+    return [n for n in names if mine.fullmatch(n)]
 
 
 def _netns_pids(ns: str) -> list[int]:
@@ -399,7 +413,7 @@ def down(root: Path | None = None) -> list[str]:
         for h in state.hosts:
             if h.socket.exists():
                 _destroy_domains(h)
-    for ns in _our_namespaces():
+    for ns in our_namespaces(root):
         left = _kill_all(ns)
         if left:
             raise ThinvmError(f"{left} processes in namespace {ns} survived SIGKILL")
