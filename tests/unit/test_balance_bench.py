@@ -1,0 +1,53 @@
+"""The overcommit benchmark's bookkeeping: which guests "fit"."""
+
+from typing import Any
+
+from thinvm.bench.harness import RunContext
+from thinvm.bench.overcommit import GuestRun, Setup, Shared, Workload, _metrics
+from thinvm.units import MiB
+
+
+class FakeSampler:
+    def __init__(self) -> None:
+        self.t = [0.0, 1.0]
+        self.usage = [100 * MiB, 300 * MiB]
+        self.swap = [0, 5 * MiB]
+
+
+def metrics(setup: Setup, runs: list[GuestRun], shared: Shared, alive: list[bool]) -> Any:
+    ctx = RunContext("overcommit", "v", 1, 1)
+    return _metrics(setup, runs, alive, 0, 300 * MiB, FakeSampler(), None, ctx, shared)  # type: ignore[arg-type]
+
+
+def run(name: str, seconds: list[float], finished: bool = True, ooms: int = 0) -> GuestRun:
+    return GuestRun(name, seconds, finished, "", ooms)
+
+
+def test_workload_steps() -> None:
+    assert Workload(2, 640 * MiB, 64 * MiB, 0.5, 4, 8).steps == 10
+    assert Workload(1, 10 * MiB, 64 * MiB, 0.5, 4, 8).steps == 1
+
+
+def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -> None:
+    shared = Shared()
+    free = metrics(
+        Setup(False, False, None), [run("a", [10.0]), run("b", [12.0])], shared, [True] * 2
+    )
+    assert shared.reference_work == 11.0 and free["fit_guests"] == 2
+    runs = [
+        run("ok", [13.0]),  # 1.18x
+        run("slow", [14.0]),  # 1.27x
+        run("oom", [10.0], ooms=1),
+        run("unfinished", [5.0], finished=False),
+        run("dead", [10.0]),
+    ]
+    got = metrics(Setup(True, True, "thinvm"), runs, shared, [True, True, True, True, False])
+    assert got["fit_guests"] == 1
+    assert got["guest_oom_kills"] == 1
+    assert got["finished_guests"] == 4
+    assert got["swap_peak_bytes"] == 5 * MiB
+
+
+def test_no_reference_no_fit() -> None:
+    got = metrics(Setup(True, False, None), [run("a", [10.0])], Shared(), [True])
+    assert got["fit_guests"] is None
