@@ -22,6 +22,7 @@ tests=(
 	"qos-test:$qos/ranges/empty"
 	"qos-test:$qos/ranges/private-file"
 	"qos-test:$qos/ranges/numa-granule"
+	"qos-test:$qos/ranges/discard-failure"
 	"migration-test:$mig/precopy/unix"
 	"migration-test:$mig/precopy/pagemap-read"
 	"migration-test:$mig/multifd/tcp"
