@@ -235,6 +235,53 @@ def test_destination_qemu_killed_mid_migration(
         remove(h2, name)
 
 
+def test_destination_daemon_killed_mid_migration(
+    fleet: ClusterState, images: dict[str, guest.DiskImage]
+) -> None:
+    """The destination host's libvirtd dies while the job runs: the guest
+    keeps running on the source; once the daemon is back, libvirt has
+    removed the half-migrated guest and its QEMU."""
+    name = "orphan"
+    h1, h2 = fleet.host("h1"), fleet.host("h2")
+    root = Path(h1.root).parent.parent
+    start(fleet, images, name)
+    try:
+        in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 6")
+        killed: list[int] = []
+        stop = threading.Event()
+
+        # Once libvirt has recorded the incoming domain (its status file):
+        # killed before that, the daemon cannot know the QEMU is its own.
+        status = Path(h2.root) / "run" / "qemu" / f"{name}.xml"
+
+        def kill_destination_daemon() -> None:
+            while not stop.is_set() and not killed:
+                if qemu_pids_in(h2) and status.exists():
+                    killed.append(cluster.kill_daemon("h2", root))
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_destination_daemon)
+        killer.start()
+        try:
+            with pytest.raises(ThinvmError, match=f"still running on {h1.name}"):
+                migrate.migrate(h1, h2, name)
+        finally:
+            stop.set()
+            killer.join()
+        assert killed, "the destination QEMU never appeared"
+        assert guest.domstate(h1, name) == "running"
+        verify_pattern(h1, name, 6)
+        cluster.restart_daemon("h2", root)
+        wait_for(lambda: not qemu_pids_in(h2), "libvirt to remove the incoming QEMU on h2")
+        wait_for(lambda: guest.domstate(h2, name) == "absent", "libvirt to forget the domain")
+        # The source still migrates afterwards.
+        migrate.migrate(h1, h2, name)
+        verify_pattern(h2, name, 6)
+    finally:
+        remove(h1, name)
+        remove(h2, name)
+
+
 def test_ranges_on_the_stock_emulator_is_a_clear_error(
     fleet: ClusterState, images: dict[str, guest.DiskImage]
 ) -> None:

@@ -171,6 +171,16 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster_kill(args: argparse.Namespace) -> int:
+    print(f"killed libvirtd of {args.host} (pid {cluster.kill_daemon(args.host)})")
+    return 0
+
+
+def cmd_cluster_restart(args: argparse.Namespace) -> int:
+    print(f"libvirtd of {args.host} running again (pid {cluster.restart_daemon(args.host)})")
+    return 0
+
+
 def cmd_cluster_uri(args: argparse.Namespace) -> int:
     print(cluster.load_state().host(args.host).uri)
     return 0
@@ -239,6 +249,12 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p = csub.add_parser("status", help="hosts, their daemons and domains")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cluster_status)
+    p = csub.add_parser("kill", help="SIGKILL a host's libvirtd (fault injection)")
+    p.add_argument("host")
+    p.set_defaults(func=cmd_cluster_kill)
+    p = csub.add_parser("restart", help="start a host's dead libvirtd again")
+    p.add_argument("host")
+    p.set_defaults(func=cmd_cluster_restart)
     p = csub.add_parser("uri", help="the virsh connection URI of a host")
     p.add_argument("host")
     p.set_defaults(func=cmd_cluster_uri)

@@ -326,6 +326,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def kill_daemon(name: str, root: Path | None = None) -> int:
+    """SIGKILL a host's libvirtd, as if the daemon crashed; its QEMUs go on
+    running.  Returns the pid killed."""
+    root = root or cluster_dir()
+    state = load_state(root)
+    state.host(name)
+    pid = state.pids.get(name, 0)
+    if not (pid and _alive(pid) and _is_libvirtd(pid)):
+        raise ThinvmError(f"libvirtd of {name} is not running")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pid
+
+
+def restart_daemon(name: str, root: Path | None = None) -> int:
+    """Start a host's libvirtd again after it died; libvirt then reconnects
+    to (or cleans up after) the QEMUs it left.  Returns the new pid."""
+    root = root or cluster_dir()
+    state = load_state(root)
+    h = state.host(name)
+    old = state.pids.get(name, 0)
+    if old and _alive(old) and _is_libvirtd(old):
+        raise ThinvmError(f"libvirtd of {name} is running (pid {old})")
+    state.pids[name] = _start_daemon(h)
+    _save_state(root, state)
+    _wait_ready(h, state.pids[name])
+    return state.pids[name]
+
+
 def up(
     count: int, link: str | None = None, stock: Sequence[str] = (), root: Path | None = None
 ) -> ClusterState:
