@@ -20,6 +20,7 @@ tests=(
 	"qos-test:$qos/ranges/not-negotiated"
 	"qos-test:$qos/ranges/invalid-order"
 	"qos-test:$qos/ranges/empty"
+	"qos-test:$qos/ranges/read-only-alias"
 	"qos-test:$qos/ranges/private-file"
 	"qos-test:$qos/ranges/numa-granule"
 	"qos-test:$qos/ranges/discard-failure"
