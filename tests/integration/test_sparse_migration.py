@@ -1,4 +1,4 @@
-"""sparse-ram migration (qemu/patches 0002-0006) with real guests.
+"""sparse-ram migration (qemu/patches 0002-0007) with real guests.
 
 Where the guest can be paused, source and destination RAM are compared
 byte for byte; where it keeps running, the guest's memory pattern is
