@@ -177,9 +177,10 @@ def machine_line(result: dict[str, Any]) -> str:
         f"{env.get('cpu_model')}, {env.get('nproc')} CPUs, {mem / GiB:.1f} GiB RAM, "
         f"swap {format_size(env.get('swap_total', 0))}, host kernel {env.get('host_kernel')}, "
         f"THP {env.get('thp_enabled')}; accel {env.get('accel')}; "
-        f"QEMU used: {env.get('qemu_used')} ({_build_line(qemu, 'stock')}; "
-        f"{_build_line(qemu, 'patched')}); guest kernel {env.get('guest_kernel')} "
-        f"({package}{env.get('guest_driver')} balloon driver); thinvm {commit}; "
+        f"QEMU {env.get('qemu_used')} unless a variant names another "
+        f"({_build_line(qemu, 'stock')}; {_build_line(qemu, 'patched')}); "
+        f"guest kernel {env.get('guest_kernel')} ({package}{env.get('guest_driver')} "
+        f"balloon driver unless a variant names another); thinvm {commit}; "
         f"discard counter: {env.get('counter')}"
     )
 
