@@ -38,7 +38,12 @@ def test_thinvm_domain_has_every_feature() -> None:
     assert root.find("devices/memballoon/stats").get("period") == "2"  # type: ignore[union-attr]
     assert root.find("devices/memballoon/alias").get("name") == BALLOON_ALIAS  # type: ignore[union-attr]
     args = [a.get("value") for a in root.iter(f"{Q}arg")]
-    assert args == ["-global", "migration.sparse-ram=on"]
+    assert args == [
+        "-global",
+        "migration.sparse-ram=on",
+        "-qmp",
+        "unix:/var/lib/libvirt/qemu/thinvm-vm1.qmp,server=on,wait=off",
+    ]
     dev = root.find(f"{Q}override/{Q}device")
     assert dev is not None and dev.get("alias") == BALLOON_ALIAS
     props = {p.get("name"): p.get("value") for p in dev.iter(f"{Q}property")}
@@ -50,7 +55,9 @@ def test_thinvm_domain_has_every_feature() -> None:
 
 def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
     root = parse(spec(ranges=False, sparse_ram=None, free_page_hint=True))
-    assert root.find(f"{Q}commandline") is None
+    assert "-global" not in [a.get("value") for a in root.iter(f"{Q}arg")]
+    bare = parse(spec(ranges=False, sparse_ram=None, thinvm_monitor=False))
+    assert bare.find(f"{Q}commandline") is None and bare.find(f"{Q}override") is None
     props = {p.get("name"): p.get("value") for p in root.iter(f"{Q}property")}
     assert props == {"free-page-hint": "true", "iothread": "iothread1"}
     assert root.findtext("iothreads") == "1"

@@ -27,6 +27,16 @@ AGENT_PORT = "org.thinvm.agent"
 # <qemu:override> and for reading its counters with qom-get.
 BALLOON_ALIAS = "ua-balloon"
 BALLOON_QOM_PATH = f"/machine/peripheral/{BALLOON_ALIAS}"
+# A second QMP monitor for thinvm, next to libvirt's own: libvirt's
+# qemu-monitor-command spawns a client per call, too slow to watch a
+# migration that lasts a second.  In a directory the QEMU user (root or
+# libvirt-qemu) can write on every host; the path is the same on both ends
+# of a migration but each host has its own directory.
+MONITOR_DIR = "/var/lib/libvirt/qemu"
+
+
+def monitor_path(name: str) -> str:
+    return f"{MONITOR_DIR}/thinvm-{name}.qmp"
 
 
 @dataclass
@@ -51,6 +61,7 @@ class DomainSpec:
     # None for a domain that does not ask for sparse-ram.
     sparse_ram: str | None = "sparse-ram"
     extra_globals: list[str] = field(default_factory=list)
+    thinvm_monitor: bool = True
 
     def validate(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -109,11 +120,15 @@ def _commandline(root: ET.Element, spec: DomainSpec) -> None:
     globals_ = list(spec.extra_globals)
     if spec.sparse_ram:
         globals_.insert(0, f"migration.{spec.sparse_ram}=on")
-    if not globals_:
+    args: list[str] = []
+    for value in globals_:
+        args += ["-global", value]
+    if spec.thinvm_monitor:
+        args += ["-qmp", f"unix:{monitor_path(spec.name)},server=on,wait=off"]
+    if not args:
         return
     cmd = ET.SubElement(root, f"{{{QEMU_NS}}}commandline")
-    for value in globals_:
-        ET.SubElement(cmd, f"{{{QEMU_NS}}}arg", value="-global")
+    for value in args:
         ET.SubElement(cmd, f"{{{QEMU_NS}}}arg", value=value)
 
 

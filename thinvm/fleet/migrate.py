@@ -7,9 +7,12 @@ between real hosts, and QEMU streams to the destination's migration
 address (qemu.conf migration_host).  libvirt knows nothing of sparse-ram:
 its `domjobinfo --completed` keeps only the fields it parses, and the
 source QEMU is gone when the job completes.  So while the job runs,
-`query-migrate` is read from the source QEMU through
-`virsh qemu-monitor-command`; the last answer before completion holds
-`sparse-skipped` (counted on the first pass, final long before the end).
+`query-migrate` is read every 20 ms from the source QEMU through thinvm's
+own QMP monitor (domain.monitor_path, a second monitor next to
+libvirt's); the last answer before completion holds `sparse-skipped`
+(counted on the first pass, final long before the end).  Domains without
+that monitor are polled through `virsh qemu-monitor-command`, which
+spawns a client per call and can miss a short job.
 """
 
 import contextlib
@@ -17,15 +20,17 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet.cluster import Host, virsh
-from thinvm.fleet.domain import BALLOON_QOM_PATH
+from thinvm.fleet.domain import BALLOON_QOM_PATH, monitor_path
+from thinvm.qemu.monitor import Monitor
 
 BALLOON_COUNTERS = ("range-requests", "range-discards", "guest-errors")
-POLL_INTERVAL = 0.25
+POLL_INTERVAL = 0.02
 
 
 def qmp(host: Host, name: str, command: str, **arguments: Any) -> Any:
@@ -86,15 +91,35 @@ class _SourcePoller(threading.Thread):
         self.polls = 0
 
     def run(self) -> None:
+        path = self.host.outside(monitor_path(self.name))
+        if not path.exists():
+            self._poll(lambda cmd: qmp(self.host, self.name, cmd), give_up_on_error=False)
+            return
+        mon = Monitor(f"thinvm-poll-{self.name}")
+        try:
+            mon.connect(str(path))
+            self._poll(lambda cmd: mon.cmd(cmd, timeout=10), give_up_on_error=True)
+        except ThinvmError:
+            pass  # no source QEMU to ask: the job is over or never started
+        finally:
+            mon.close()
+
+    def _poll(self, ask: Callable[[str], Any], give_up_on_error: bool) -> None:
+        """Ask until stopped; on our own monitor an error means the source
+        QEMU is gone (libvirt ended it after the switch-over)."""
         with contextlib.suppress(ThinvmError):
-            caps = qmp(self.host, self.name, "query-migrate-capabilities")
+            caps = ask("query-migrate-capabilities")
             self.caps = {c["capability"]: True for c in caps if c["state"]}
         while not self.stop.is_set():
-            with contextlib.suppress(ThinvmError):
-                info = qmp(self.host, self.name, "query-migrate")
-                if isinstance(info, dict) and "ram" in info:
-                    self.ram = {k: v for k, v in info["ram"].items() if isinstance(v, int)}
-                    self.polls += 1
+            try:
+                info = ask("query-migrate")
+            except ThinvmError:
+                if give_up_on_error:
+                    return
+                info = None
+            if isinstance(info, dict) and "ram" in info:
+                self.ram = {k: v for k, v in info["ram"].items() if isinstance(v, int)}
+                self.polls += 1
             self.stop.wait(POLL_INTERVAL)
 
 
