@@ -290,3 +290,17 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 90.0) -> None
             return
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_down_after_a_crash_and_twice_leaves_nothing() -> None:
+    """A cluster whose daemons died (a crash of everything), then `down`
+    twice: nothing is left, and the second `down` has nothing to do."""
+    root = Path("/var/lib/thinvm") / f"test-crash-{os.getpid()}"
+    state = cluster.up(2, link="10gbit", root=root)
+    for pid in state.pids.values():
+        os.kill(pid, 9)
+    removed = cluster.down(root)
+    assert set(cluster.our_namespaces(root)) == set()
+    assert any(name.endswith("fabric") for name in removed), removed
+    assert_nothing_left(root)
+    assert cluster.down(root) == []
