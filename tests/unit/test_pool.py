@@ -10,6 +10,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -444,3 +445,13 @@ def test_scrub_refuses_a_file_someone_still_has_open(small_pool: Path) -> None:
         holder.kill()
         holder.wait()
     assert pool.Worker(pool.Pool(small_pool), threading.Event()).step().kind == "scrub"
+
+
+def test_worker_entry_point_runs_as_a_module(tmp_path: Path) -> None:
+    """`python -m thinvm.pool serve ROOT` is how the pool spawns its worker."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "thinvm.pool", "serve", str(tmp_path / "none"), "--once"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("thinvm pool: error: no warm pool at ")
+    assert "Traceback" not in proc.stderr
