@@ -149,6 +149,7 @@ def test_jobinfo_parsing() -> None:
     text = "Job type:         Completed\nData processed:   213.367 MiB\nTotal downtime:   279 ms\n"
     job = migrate.parse_jobinfo(text)
     assert job["Job type"] == "Completed" and job["Total downtime"] == "279 ms"
+    assert migrate.parse_jobinfo("Time elapsed:  1313         ms")["Time elapsed"] == "1313 ms"
     assert migrate.job_bytes(job) == int(213.367 * MiB)
     assert migrate.job_bytes({"Data processed": "12 parsecs"}) is None
     assert migrate.job_bytes({}) is None

@@ -29,7 +29,11 @@ def cmd_install(args: argparse.Namespace) -> int:
             caps = emulator.domcapabilities(inst.path, args.connect)
             entry["domcapabilities"] = "ok" if "<domainCapabilities>" in caps else "unexpected"
         out[flavour] = entry
-    lines = [f"{f:8} {out[f]['path']}" for f in ("patched", "stock")]
+    lines = [
+        f"{f:8} {out[f]['path']}"
+        + (f"  (libvirt domcapabilities: {out[f]['domcapabilities']})" if args.connect else "")
+        for f in ("patched", "stock")
+    ]
     lines.append(f"sparse-ram capability: migration.{out['sparse_ram_capability']}")
     if not args.connect:
         lines.append("(pass --connect URI to have libvirt probe them: virsh domcapabilities)")

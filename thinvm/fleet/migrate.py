@@ -129,7 +129,7 @@ def parse_jobinfo(text: str) -> dict[str, str]:
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip():
-            out[key.strip()] = value.strip()
+            out[key.strip()] = " ".join(value.split())  # "160          ms"
     return out
 
 
