@@ -351,6 +351,26 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
 IDLE_SEED = 8
 
 
+def hold_then_idle(
+    ctx: RunContext, src: VM, stack: Stack, used: int, seed: int, idle: float
+) -> Metrics:
+    """The idle guest of the migration and save scenarios: it writes `used`
+    bytes of data (a pattern the destination can verify), touches and frees
+    the rest of its RAM, idles, and lets free page reporting settle."""
+    ctx.note("boot_s", src.boot_seconds)
+    if used:
+        ctx.step(f"guest writes a {format_size(used)} pattern")
+        workload.pattern_write(src.agent, used, seed)
+    ctx.step("guest touches its free memory")
+    metrics = touch_most(src)
+    time.sleep(idle)
+    if stack.reporting:
+        ctx.step("waiting for free page reporting to settle")
+        _settle(lambda: src.host_memory().rss, timeout=60)
+    metrics["src_rss_bytes"] = src.host_memory().rss
+    return metrics
+
+
 def idle_migration(
     opts: BenchOptions,
     size: int,
@@ -367,17 +387,7 @@ def idle_migration(
     def run(ctx: RunContext) -> Metrics:
         config = stack_config(opts, "b-idle", size, stack)
         with transport.start(config) as src:
-            ctx.note("boot_s", src.boot_seconds)
-            if used:
-                ctx.step(f"guest writes a {format_size(used)} pattern")
-                workload.pattern_write(src.agent, used, IDLE_SEED)
-            ctx.step("guest touches its free memory")
-            metrics = touch_most(src)
-            time.sleep(idle)
-            if stack.reporting:
-                ctx.step("waiting for free page reporting to settle")
-                _settle(lambda: src.host_memory().rss, timeout=60)
-            metrics["src_rss_bytes"] = src.host_memory().rss
+            metrics = hold_then_idle(ctx, src, stack, used, IDLE_SEED, idle)
             with transport.start(config, incoming=True) as dst:
                 result = transport.migrate(src, dst, ctx, stack.caps)
                 dst_mem = dst.host_memory()
@@ -1101,17 +1111,7 @@ def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> 
             uri = f"file:{path}"
             try:
                 with VM(config).start() as src:
-                    ctx.note("boot_s", src.boot_seconds)
-                    if used:
-                        ctx.step(f"guest writes a {format_size(used)} pattern")
-                        workload.pattern_write(src.agent, used, SAVE_SEED)
-                    ctx.step("guest touches its free memory")
-                    metrics = touch_most(src)
-                    time.sleep(idle)
-                    if stack.reporting:
-                        ctx.step("waiting for free page reporting to settle")
-                        _settle(lambda: src.host_memory().rss, timeout=60)
-                    metrics["src_rss_bytes"] = src.host_memory().rss
+                    metrics = hold_then_idle(ctx, src, stack, used, SAVE_SEED, idle)
                     ctx.step(f"saving to {path.name}")
                     result = migrate.migrate_to_uri(
                         src, uri, caps=caps, params={**MIGRATION_PARAMS, **CHANNELS}
