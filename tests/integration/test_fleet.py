@@ -6,6 +6,7 @@ One three-host cluster serves the module: h1 and h2 run the patched
 QEMU, h3 runs stock QEMU behind the same emulator path (an older host).
 """
 
+import json
 import os
 import subprocess
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import thinvm_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
@@ -304,3 +306,31 @@ def test_down_after_a_crash_and_twice_leaves_nothing() -> None:
     assert any(name.endswith("fabric") for name in removed), removed
     assert_nothing_left(root)
     assert cluster.down(root) == []
+
+
+def test_balance_controller_drives_a_libvirt_domain(
+    fleet: ClusterState, images: dict[str, guest.DiskImage], tmp_path: Path
+) -> None:
+    """`thinvm balance --connect URI` reads the domain's stats through libvirt,
+    sets targets with `virsh setmem`, and the guest's driver follows them."""
+    name = "balanced"
+    h1 = start(fleet, images, name)
+    state = tmp_path / "balance.json"
+    try:
+        # Leave the guest ~150 MiB more free memory than its headroom.
+        virsh(h1, "setmem", name, "320M", "--live")
+        wait_for(lambda: memstat(h1, name)["actual"] == 320 * 1024, "balloon to 320M")
+        run = thinvm_cli(
+            "balance", "run", "--connect", h1.uri, "--vm", name,
+            "--cycles", "8", "--interval", "2", "--state", str(state), timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert f"{name}: set 320.00 MiB -> " in run.stdout + run.stderr, run.stdout + run.stderr
+        vm = json.loads(state.read_text())["vms"][name]
+        assert vm["target"] < 320 * MiB, vm
+        # libvirt reports what the guest's driver really holds.
+        wait_for(lambda: abs(memstat(h1, name)["actual"] * 1024 - vm["target"]) <= MiB, "target")
+        status = thinvm_cli("balance", "status", "--state", str(state))
+        assert status.returncode == 0 and f"{name}: actual" in status.stdout, status.stdout
+    finally:
+        remove(h1, name)

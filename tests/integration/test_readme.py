@@ -7,8 +7,10 @@ The README is read at test time, so it cannot drift from what works.
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,11 +64,17 @@ def check_clean(proc: subprocess.CompletedProcess[str], argv: list[str]) -> None
 
 
 @pytest.fixture
-def private_run_dir(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """VM state in a directory of this test's own; VMs left over are stopped."""
-    env = {**os.environ, "THINVM_RUN": str(tmp_path / "run")}
+def private_run_dir() -> Iterator[dict[str, str]]:
+    """VM state in a directory of this test's own; VMs left over are stopped.
+
+    Short on purpose: pytest's tmp_path is too deep for the VMs' UNIX
+    sockets (108 bytes at most).
+    """
+    run = tempfile.mkdtemp(prefix="tv-", dir="/tmp")
+    env = {**os.environ, "THINVM_RUN": run}
     yield env
     subprocess.run([THINVM, "down", "--all"], env=env, capture_output=True, timeout=120)
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def test_readme_using_it_block_runs_as_written(private_run_dir: dict[str, str]) -> None:

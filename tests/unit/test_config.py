@@ -133,3 +133,10 @@ def test_cli_reports_errors_without_traceback(capsys: pytest.CaptureFixture[str]
     assert "Traceback" not in err
     assert main(["balloon", "no-such-vm", "1G"]) == 1
     assert "no VM named 'no-such-vm'" in capsys.readouterr().err
+
+
+def test_a_socket_path_too_long_for_unix_is_refused_before_qemu_starts(tmp_path: Path) -> None:
+    vm = VM(VMConfig(name="long"), rundir=tmp_path / ("d" * 120))
+    with pytest.raises(ThinvmError, match="a UNIX socket takes at most 107: set THINVM_RUN"):
+        vm.start()
+    assert vm.process is None and not vm.rundir.exists()

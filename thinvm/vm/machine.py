@@ -34,6 +34,7 @@ from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
 
 AGENT_PORT_NAME = "org.thinvm.agent"
+UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux
 MIN_MEMORY = 256 * MiB
 PR_SET_PDEATHSIG = 1
 
@@ -364,8 +365,20 @@ class VM:
                 raise ThinvmError(f"QEMU did not answer on QMP within {timeout:.0f} s")
             time.sleep(0.05)
 
+    def check_socket_paths(self) -> None:
+        """QEMU would fail late, and cryptically, on a socket path that does
+        not fit in a UNIX socket address (sun_path, 108 bytes with its NUL)."""
+        for sock in (self.qmp_socket, self.agent_socket):
+            size = len(os.fsencode(sock))
+            if size >= UNIX_PATH_MAX:
+                raise ThinvmError(
+                    f"socket path {sock} is {size} bytes, a UNIX socket takes at most "
+                    f"{UNIX_PATH_MAX - 1}: set THINVM_RUN (or THINVM_CACHE) to a shorter directory"
+                )
+
     def start(self, wait_agent: bool = True) -> "VM":
         """Launch QEMU; unless incoming, wait until the guest agent answers."""
+        self.check_socket_paths()
         self.rundir.mkdir(parents=True, exist_ok=True)
         self._resolve()
         started = time.monotonic()
