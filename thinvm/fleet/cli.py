@@ -4,6 +4,7 @@ thinvm.fleet (see docs/fleet.md)."""
 import argparse
 import json
 import shlex
+import sys
 from typing import Any
 
 from thinvm.errors import ThinvmError
@@ -94,9 +95,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
         result = client.run(shlex.join(args.command))
     finally:
         client.close()
-    print(result.stdout, end="")
-    if result.stderr:
-        print(result.stderr, end="")
+    # As `thinvm exec`: the guest's stderr goes to ours, so pipes stay clean.
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
     return result.status
 
 
