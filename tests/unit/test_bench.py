@@ -619,6 +619,52 @@ def test_save_restore_saves_both_as_mapped_ram_over_multifd() -> None:
     assert all(t.at_most == 0.2 and t.reference == "stock-best" for t in scenario.targets)
 
 
+def test_migrate_compress_compares_zlib_with_none_at_the_same_cap() -> None:
+    scenario = bench_scenarios.get("migrate-compress").build(BenchOptions())
+    names = [v.name for v in scenario.variants]
+    assert names == [
+        "stock-best",
+        "thinvm",
+        "thinvm-zlib",
+        "stock-best-1gbit",
+        "thinvm-1gbit",
+        "thinvm-zlib-1gbit",
+    ]
+    assert scenario.baseline_name == "stock-best"
+    assert scenario.references == {
+        "thinvm-zlib": "thinvm",
+        "thinvm-1gbit": "stock-best-1gbit",
+        "thinvm-zlib-1gbit": "thinvm-1gbit",
+    }
+    assert scenario.params["size"] == "16.00 GiB"
+    assert scenario.params["used"] == "512.00 MiB"
+
+
+def test_compress_params_model_the_link_in_bytes_per_second() -> None:
+    assert bench_scenarios.compress_params("zlib", 1000) == {
+        "multifd-compression": "zlib",
+        "max-bandwidth": 125_000_000,
+    }
+    assert bench_scenarios.compress_params("none", None) == {"multifd-compression": "none"}
+    assert bench_scenarios.link_name(1000) == "1gbit"
+    assert bench_scenarios.link_name(400) == "400mbit"
+    with pytest.raises(ThinvmError, match="choose one of none, zlib"):
+        bench_scenarios.compress_params("zstd", None)
+
+
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        ({"compression": "zstd"}, "choose one of"),
+        ({"compression": "none"}, "name the method"),
+        ({"cap_mbps": "0"}, "positive link speed"),
+    ],
+)
+def test_migrate_compress_refuses_bad_parameters(params: dict[str, str], error: str) -> None:
+    with pytest.raises(ThinvmError, match=error):
+        bench_scenarios.get("migrate-compress").build(BenchOptions(params=params))
+
+
 def test_network_compares_veth_with_veth() -> None:
     scenario = bench_scenarios.get("network").build(BenchOptions())
     assert scenario.baseline_name == "loopback-stock-best"

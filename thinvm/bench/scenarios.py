@@ -46,6 +46,8 @@ MIGRATION_PARAMS: dict[str, Any] = migrate.UNCAPPED
 # explicitly so that stock-best and thinvm provably use the same transport
 # (variants without the multifd capability ignore it).
 CHANNELS: dict[str, Any] = {"multifd-channels": 2}
+# Migration parameters the destination must share with the source.
+DESTINATION_PARAMS = ("multifd-channels", "multifd-compression")
 TOUCH_LEAVE = 96 * MiB  # free memory a "touch most of RAM" leaves the guest
 MIGRATION_PORT = 4444  # inside the private destination namespace
 
@@ -193,8 +195,9 @@ class Transport:
             ctx.step(migrate.describe_progress(info))
 
         params = {**MIGRATION_PARAMS, **CHANNELS, **(params or {})}
-        # The destination accepts as many multifd channels as it expects.
-        migrate.set_parameters(dst, {"multifd-channels": params["multifd-channels"]})
+        # The destination accepts as many multifd channels as it expects,
+        # and decodes them with the compression it is told.
+        migrate.set_parameters(dst, {k: v for k, v in params.items() if k in DESTINATION_PARAMS})
         if self.link is None:
             return migrate.migrate(src, dst, caps=caps, params=params, progress=progress)
         uri = f"tcp:{self.link.dst_ip}:{MIGRATION_PORT}"
@@ -642,6 +645,7 @@ def _size_param(params: dict[str, str], key: str) -> int:
 
 
 STRUCT_PAGE_BYTES = 64  # sizeof(struct page) in Debian's x86_64 kernels
+PAGE_BYTES = 4096  # a normal page of guest RAM as migration counts it
 SCALE_SEED = 5
 
 
@@ -659,35 +663,53 @@ def guest_memmap_bytes(vm: VM) -> int:
     return memmap_bytes(vm.agent.check("cat /proc/zoneinfo").stdout)
 
 
+def fresh_guest_migration(
+    opts: BenchOptions,
+    memory: int,
+    stack: Stack,
+    transport: Transport,
+    *,
+    used: int,
+    idle: float,
+    params: dict[str, Any] | None = None,
+) -> Callable[[RunContext], Metrics]:
+    """A freshly booted guest writes `used` bytes of data, idles and migrates
+    with `params` on top of the usual ones; the destination verifies the data."""
+
+    def run(ctx: RunContext) -> Metrics:
+        # Untouched guest RAM costs nothing; reserve=off only where the
+        # kernel's overcommit heuristic would refuse the mapping.
+        config = stack_config(opts, "b-scale", memory, stack, reserve=fits_reserved(memory))
+        with transport.start(config) as src:
+            ctx.note("boot_s", src.boot_seconds)
+            if used:
+                ctx.step(f"guest writes a {format_size(used)} pattern")
+                workload.pattern_write(src.agent, used, SCALE_SEED)
+            time.sleep(idle)
+            metrics: Metrics = {
+                "src_rss_bytes": src.host_memory().rss,
+                "guest_memmap_bytes": guest_memmap_bytes(src),
+            }
+            with transport.start(config, incoming=True) as dst:
+                result = transport.migrate(src, dst, ctx, stack.caps, params)
+                metrics.update(migration_metrics(result))
+                # What the pages sent held before any compression.
+                metrics["payload_bytes"] = result.normal_pages * PAGE_BYTES
+                metrics["dst_rss_bytes"] = dst.host_memory().rss
+                if used:
+                    _verify_pattern(dst, ctx, SCALE_SEED)
+        return metrics
+
+    return run
+
+
 def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = _float(params, "idle")
     used, smallest = _size_param(params, "used"), _size_param(params, "from")
     transport = Transport(opts.net)
 
     def variant(memory: int, stack: Stack) -> Callable[[RunContext], Metrics]:
-        def run(ctx: RunContext) -> Metrics:
-            # Untouched guest RAM costs nothing; reserve=off only where the
-            # kernel's overcommit heuristic would refuse the mapping.
-            config = stack_config(opts, "b-scale", memory, stack, reserve=fits_reserved(memory))
-            with transport.start(config) as src:
-                ctx.note("boot_s", src.boot_seconds)
-                if used:
-                    ctx.step(f"guest writes a {format_size(used)} pattern")
-                    workload.pattern_write(src.agent, used, SCALE_SEED)
-                time.sleep(idle)
-                metrics: Metrics = {
-                    "src_rss_bytes": src.host_memory().rss,
-                    "guest_memmap_bytes": guest_memmap_bytes(src),
-                }
-                with transport.start(config, incoming=True) as dst:
-                    result = transport.migrate(src, dst, ctx, stack.caps)
-                    metrics.update(migration_metrics(result))
-                    metrics["dst_rss_bytes"] = dst.host_memory().rss
-                    if used:
-                        _verify_pattern(dst, ctx, SCALE_SEED)
-            return metrics
-
-        return run
+        return fresh_guest_migration(opts, memory, stack, transport, used=used, idle=idle)
 
     sizes = scale_sizes(size, smallest)
     first, last = _size_name(sizes[0]), _size_name(sizes[-1])
@@ -740,6 +762,108 @@ def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) ->
         },
         context=transport.session,
         targets=targets if len(sizes) > 1 else [],
+    )
+
+
+# -- 5b. migrate-compress ----------------------------------------------------
+
+COMPRESSIONS = ("none", "zlib")  # zstd is not compiled into our QEMU builds
+
+
+def link_name(mbps: int) -> str:
+    """1000 -> '1gbit', 400 -> '400mbit': the link a bandwidth cap models."""
+    return f"{mbps // 1000}gbit" if mbps % 1000 == 0 else f"{mbps}mbit"
+
+
+def compress_params(compression: str, cap_mbps: int | None) -> dict[str, Any]:
+    """Migration parameters of one migrate-compress variant."""
+    if compression not in COMPRESSIONS:
+        raise ThinvmError(
+            f"--param compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}"
+        )
+    params: dict[str, Any] = {"multifd-compression": compression}
+    if cap_mbps is not None:
+        # max-bandwidth is in bytes per second; a 1 Gbit/s link moves 125 MB/s.
+        params["max-bandwidth"] = cap_mbps * 1_000_000 // 8
+    return params
+
+
+def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = _float(params, "idle")
+    used = _size_param(params, "used")
+    cap = _int(params, "cap_mbps")
+    if cap <= 0:
+        raise ThinvmError(f"--param cap_mbps={cap}: want a positive link speed in Mbit/s")
+    compression = params["compression"]
+    compress_params(compression, None)  # refuse an unknown method before any run
+    if compression == "none":
+        raise ThinvmError("--param compression=none: name the method to compare with none")
+    transport = Transport(opts.net)
+    link = link_name(cap)
+
+    def variant(stack: Stack, method: str, capped: bool) -> Callable[[RunContext], Metrics]:
+        extra = compress_params(method, cap if capped else None)
+        return fresh_guest_migration(
+            opts, size, stack, transport, used=used, idle=idle, params=extra
+        )
+
+    def name(stack: str, method: str, capped: bool) -> str:
+        return stack + (f"-{method}" if method != "none" else "") + (f"-{link}" if capped else "")
+
+    stacks = {n: (stack, text) for n, stack, text in MIGRATION_STACKS}
+    variants = []
+    for capped in (False, True):
+        where = f"max-bandwidth {cap} Mbit/s ({link} link)" if capped else "uncapped"
+        best, thinvm = name("stock-best", "none", capped), name("thinvm", "none", capped)
+        variants += [
+            Variant(
+                best,
+                variant(stacks["stock-best"][0], "none", capped),
+                f"{stacks['stock-best'][1]}; no compression; {where}",
+            ),
+            Variant(
+                thinvm,
+                variant(stacks["thinvm"][0], "none", capped),
+                f"{stacks['thinvm'][1]}; no compression; {where}",
+                reference=best if capped else None,
+            ),
+            Variant(
+                name("thinvm", compression, capped),
+                variant(stacks["thinvm"][0], compression, capped),
+                f"thinvm with multifd-compression={compression}; {where}",
+                reference=thinvm,
+            ),
+        ]
+    return Scenario(
+        name="migrate-compress",
+        title=f"does multifd compression ({compression}) pay for a big guest's own memory?",
+        description=(
+            f"A freshly booted {format_size(size)} guest writes a {format_size(used)} "
+            f"pattern into tmpfs, idles {idle:g} s and live-migrates, as in migrate-scale; "
+            "the destination verifies the pattern. Most of what thinvm still sends is "
+            "populated memory the guest never wrote itself: its kernel's struct page "
+            f"array ({STRUCT_PAGE_BYTES} B per 4 KiB page, column guest_memmap_bytes), "
+            "initialised at boot, repetitive and compressible. thinvm migrates with "
+            f"`multifd-compression` none and {compression} (both sides, 2 channels), "
+            f"uncapped and with `max-bandwidth` {cap * 1_000_000 // 8:,} B/s (a {link} "
+            f"link); {compression} is compared with none at the same cap, thinvm with "
+            "stock-best at the same cap. Payload is the normal pages sent times 4 KiB, what the "
+            "pages held before compression; bytes sent is what went over the wire."
+        ),
+        variants=variants,
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={
+            "size": format_size(size),
+            "used": format_size(used),
+            "idle_s": idle,
+            "compression": compression,
+            "cap_mbps": cap,
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+            **CHANNELS,
+        },
+        context=transport.session,
     )
 
 
@@ -1264,6 +1388,15 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             "largest guest; sizes double from `from` up to it",
             default_runs=2,
             params={"idle": "2", "used": "512M", "from": "2G"},
+        ),
+        ScenarioSpec(
+            "migrate-compress",
+            "multifd compression none vs zlib for a big guest, uncapped and on a 1 Gbit/s link",
+            make_migrate_compress,
+            "16G",
+            "guest RAM",
+            default_runs=3,
+            params={"idle": "2", "used": "512M", "compression": "zlib", "cap_mbps": "1000"},
         ),
         ScenarioSpec(
             "density",
