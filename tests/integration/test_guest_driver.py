@@ -182,7 +182,7 @@ def test_612_guest_boots_with_our_driver(make_vm: VMFactory) -> None:
 
 
 def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None:
-    """Our driver + patched QEMU with ranges=on (docs/protocol/balloon-ranges.md)."""
+    """Our driver + patched QEMU with x-ranges=on (docs/protocol/balloon-ranges.md)."""
     memory = 2 * GiB
     config = ours("drv-ranges", memory, ranges=True)
     config.build = "patched"

@@ -189,8 +189,68 @@ def test_unsafe_combinations_are_refused(make_vm: VMFactory, tmp_path: Path) -> 
         migrate.migrate_to_uri(src, uri, caps=SPARSE, timeout=60)
     assert src.agent.check("echo alive").stdout == "alive\n"
 
-    with pytest.raises(ThinvmError, match="incompatible with postcopy"):
-        migrate.set_capabilities(src, {**SPARSE, "postcopy-ram": True})
+    with pytest.raises(ThinvmError, match="incompatible with background snapshots"):
+        migrate.set_capabilities(src, {**SPARSE, "background-snapshot": True})
+
+
+POSTCOPY = {**SPARSE, "postcopy-ram": True}
+
+
+def test_postcopy_switched_mid_pass_migrates_byte_identical(
+    make_vm: VMFactory, tmp_path: Path
+) -> None:
+    """Postcopy with sparse-ram (patch 0012), guest paused so RAM can be compared.
+
+    The switch comes early in the first pass: pages still dirty are sent in
+    postcopy, the ones left out are mapped as zero by the destination, and
+    every page must end up as on the source.
+    """
+    config = patched("sparse-postcopy", memory=512 * MiB)
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=43)
+    src.qmp("stop")
+    dst = make_vm(paused_destination(config), incoming=True)
+    result = migrate.migrate(
+        src,
+        dst,
+        caps=POSTCOPY,
+        params={"max-bandwidth": 32 * MiB, "max-postcopy-bandwidth": 32 * MiB},
+        resume=False,
+        postcopy_after=0.3,
+    )
+    assert result.raw["ram"]["postcopy-bytes"] > 16 * MiB, "did not switch to postcopy early"
+    assert result.sparse_skipped > 64 * MiB // PAGE
+    assert_identical_memory(src, dst, tmp_path)
+
+
+def test_postcopy_guest_uses_memory_left_out_without_waiting(make_vm: VMFactory) -> None:
+    """In postcopy the destination guest takes fresh memory at once.
+
+    The source never answers a page request for a page sparse-ram left out
+    (it counts as sent), so without the destination's zero mapping the
+    guest would wait for the end of the migration, kept long here by a
+    trickle of postcopy bandwidth.
+    """
+    config = patched("sparse-postcopy-live")
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=47)
+    dst = make_vm(config, incoming=True)
+    migrate.set_capabilities(dst, POSTCOPY)
+    uri = migrate.start_incoming(dst, migrate.free_port())
+    migrate.set_capabilities(src, POSTCOPY)
+    migrate.set_parameters(src, {"max-bandwidth": 16 * MiB, "max-postcopy-bandwidth": 4 * MiB})
+    src.qmp("migrate", uri=uri)
+    time.sleep(0.5)
+    migrate.start_postcopy(src)
+    migrate.wait_destination_status(dst, "running")
+    dst.wait_agent(timeout=120)
+    workload.touch(dst.agent, 256 * MiB)
+    status = src.qmp("query-migrate")["status"]
+    assert status == "postcopy-active", f"fresh memory waited for the migration ({status})"
+    migrate.set_parameters(src, {"max-postcopy-bandwidth": 0})
+    info = migrate.wait_migration(src, 300)
+    assert info["status"] == "completed", info
+    assert workload.pattern_verify(dst.agent, seed=47).ok
 
 
 def test_stock_qemu_does_not_know_the_capability(make_vm: VMFactory) -> None:

@@ -43,7 +43,7 @@ def test_stacks_set_the_balloon_device() -> None:
         return dev
 
     thinvm_dev = device(VMConfig(balloon=THINVM.balloon(deflate_on_oom=True)))
-    for prop in ("ranges=on", "free-page-reporting=on", "free-page-hint=on", "deflate-on-oom=on"):
+    for prop in ("x-ranges=on", "free-page-reporting=on", "free-page-hint=on", "deflate-on-oom=on"):
         assert prop in thinvm_dev
     stock_dev = device(VMConfig(balloon=STOCK_BEST.balloon()))
     assert "free-page-hint=on" in stock_dev and "free-page-reporting=on" in stock_dev

@@ -47,7 +47,7 @@ def test_thinvm_domain_has_every_feature() -> None:
     dev = root.find(f"{Q}override/{Q}device")
     assert dev is not None and dev.get("alias") == BALLOON_ALIAS
     props = {p.get("name"): p.get("value") for p in dev.iter(f"{Q}property")}
-    assert props == {"ranges": "true"}
+    assert props == {"x-ranges": "true"}
     assert root.find("devices/emulator").text.endswith("qemu-patched/qemu-system-x86_64")  # type: ignore[union-attr]
     assert root.find("devices/disk/driver").get("cache") == "none"  # type: ignore[union-attr]
     assert root.find("features/acpi") is not None

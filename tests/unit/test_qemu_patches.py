@@ -56,7 +56,7 @@ def test_only_the_patched_build_has_ranges() -> None:
         out = subprocess.run(
             [str(binary), "-device", "virtio-balloon-pci,help"], capture_output=True, text=True
         ).stdout
-        assert ("ranges=" in out) == expected, flavour
+        assert ("x-ranges=" in out) == expected, flavour
 
 
 GIGANTIC = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB")
@@ -97,7 +97,7 @@ def test_ranges_refused_where_no_range_could_free_a_backing_page(hugetlbfs_1g: P
         "-machine",
         "memory-backend=ram1g",
     ]
-    refused = start_patched(*ram, "-device", "virtio-balloon-pci,ranges=on")
+    refused = start_patched(*ram, "-device", "virtio-balloon-pci,x-ranges=on")
     assert refused.returncode != 0
     assert "cannot free guest RAM backed by 1024 MiB pages ('ram1g')" in refused.stderr
     plain = start_patched(*ram, "-device", "virtio-balloon-pci")

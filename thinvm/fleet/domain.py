@@ -18,6 +18,7 @@ from pathlib import Path
 
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
+from thinvm.vm.machine import BALLOON_RANGES_PROPERTY
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
@@ -99,7 +100,7 @@ def _memballoon(devices: ET.Element, spec: DomainSpec) -> None:
 
 
 def _balloon_override(root: ET.Element, spec: DomainSpec) -> None:
-    props = {"ranges": spec.ranges, "free-page-hint": spec.free_page_hint}
+    props = {BALLOON_RANGES_PROPERTY: spec.ranges, "free-page-hint": spec.free_page_hint}
     wanted = {name: value for name, value in props.items() if value}
     if not wanted:
         return

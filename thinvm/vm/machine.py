@@ -34,6 +34,9 @@ from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
 
 AGENT_PORT_NAME = "org.thinvm.agent"
+# The range balloon stays experimental in QEMU ("x-") until the virtio
+# specification reserves its feature bit.
+BALLOON_RANGES_PROPERTY = "x-ranges"
 UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux
 MIN_MEMORY = 256 * MiB
 PR_SET_PDEATHSIG = 1
@@ -228,7 +231,7 @@ class VM:
         if opts.free_page_reporting:
             props.append("free-page-reporting=on")
         if opts.ranges:
-            props.append("ranges=on")
+            props.append(f"{BALLOON_RANGES_PROPERTY}=on")
         return [*args, "-device", ",".join(props)]
 
     def _accel_args(self) -> list[str]:

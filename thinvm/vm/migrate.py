@@ -33,6 +33,7 @@ class MigrationResult:
     wall_seconds: float
     sparse_skipped: int = 0
     sparse_zero: int = 0
+    postcopy_requests: int = 0
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -50,6 +51,7 @@ class MigrationResult:
             wall_seconds=wall,
             sparse_skipped=int(ram.get("sparse-skipped", 0)),
             sparse_zero=int(ram.get("sparse-zero", 0)),
+            postcopy_requests=int(ram.get("postcopy-requests", 0)),
             raw=info,
         )
 
@@ -97,6 +99,40 @@ def wait_migration(
         time.sleep(interval)
 
 
+def start_postcopy(src: VM, timeout: float = 60.0) -> None:
+    """Switch a running migration (postcopy-ram on both sides) to postcopy.
+
+    Returns once the source has stopped the guest and handed it over; the
+    destination runs it (or stays paused, if started with -S) while pages
+    keep arriving.
+    """
+    src.qmp("migrate-start-postcopy")
+    deadline = time.monotonic() + timeout
+    while (status := src.qmp("query-migrate").get("status")) not in (
+        "postcopy-active",
+        "completed",
+    ):
+        if status in ("failed", "cancelled") or time.monotonic() > deadline:
+            raise ThinvmError(f"migration did not switch to postcopy (status {status})")
+        time.sleep(0.05)
+
+
+def _postcopy_after(src: VM, seconds: float, progress: Progress | None) -> Progress:
+    """A progress callback that switches to postcopy `seconds` into the migration."""
+    switch_at = time.monotonic() + seconds
+    switched = False
+
+    def poll(info: dict[str, Any]) -> None:
+        nonlocal switched
+        if not switched and info.get("status") == "active" and time.monotonic() >= switch_at:
+            src.qmp("migrate-start-postcopy")
+            switched = True
+        if progress is not None:
+            progress(info)
+
+    return poll
+
+
 def migrate_to_uri(
     src: VM,
     uri: str,
@@ -105,10 +141,19 @@ def migrate_to_uri(
     params: dict[str, Any] | None = None,
     timeout: float = 600.0,
     progress: Progress | None = None,
+    postcopy_after: float | None = None,
 ) -> MigrationResult:
-    """Migrate src to an already listening destination; the source survives a failure."""
+    """Migrate src to an already listening destination; the source survives a failure.
+
+    With `postcopy_after` (seconds; needs postcopy-ram on both sides) the
+    migration switches to postcopy that long after it starts, unless it
+    finished first.  Once in postcopy a failure can no longer keep the
+    guest on the source.
+    """
     set_capabilities(src, caps or {})
     set_parameters(src, params or {})
+    if postcopy_after is not None:
+        progress = _postcopy_after(src, postcopy_after, progress)
     start = time.monotonic()
     src.qmp("migrate", uri=uri)
     info = wait_migration(src, timeout, progress)
@@ -128,6 +173,7 @@ def migrate(
     timeout: float = 600.0,
     progress: Progress | None = None,
     resume: bool = True,
+    postcopy_after: float | None = None,
 ) -> MigrationResult:
     """Migrate src into dst (started with incoming=True).
 
@@ -139,7 +185,13 @@ def migrate(
     uri = start_incoming(dst, free_port())
     try:
         result = migrate_to_uri(
-            src, uri, caps=caps, params=params, timeout=timeout, progress=progress
+            src,
+            uri,
+            caps=caps,
+            params=params,
+            timeout=timeout,
+            progress=progress,
+            postcopy_after=postcopy_after,
         )
     except ThinvmError as exc:
         # The source often only sees a broken pipe; the reason is here.
