@@ -19,6 +19,7 @@ from typing import Any
 from thinvm import pool
 from thinvm.bench import fleet as fleet_bench
 from thinvm.bench import overcommit
+from thinvm.bench import postcopy as postcopy_bench
 from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.bench.probe import (
     MemoryCgroup,
@@ -1418,6 +1419,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ),
         ScenarioSpec(**overcommit.SPEC),
         ScenarioSpec(**fleet_bench.SPEC),
+        ScenarioSpec(**postcopy_bench.SPEC),
         ScenarioSpec(
             "start",
             "launch to agent ready with preallocation",
