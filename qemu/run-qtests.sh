@@ -41,6 +41,7 @@ tests=(
 	"migration-test:$mig/refuse/mem-prealloc"
 	"migration-test:$mig/refuse/mem-lock"
 	"migration-test:$mig/with-ignore-shared"
+	"migration-test:$mig/tpm-ppi"
 )
 
 for bin in qos-test migration-test; do
