@@ -228,12 +228,14 @@ def test_postcopy_guest_uses_memory_left_out_without_waiting(make_vm: VMFactory)
 
     The source never answers a page request for a page sparse-ram left out
     (it counts as sent), so without the destination's zero mapping the
-    guest would wait for the end of the migration, kept long here by a
-    trickle of postcopy bandwidth.
+    guest would wait for the end of the migration.  The switch comes
+    early, so most of the guest's 192 MiB of data is still to be sent, at
+    a trickle that keeps the migration going for about 45 s: the guest's
+    128 MiB of fresh memory must be in place long before.
     """
-    config = patched("sparse-postcopy-live")
+    config = patched("sparse-postcopy-live", memory=512 * MiB)
     src = make_vm(config)
-    workload.pattern_write(src.agent, 64 * MiB, seed=47)
+    workload.pattern_write(src.agent, 192 * MiB, seed=47)
     dst = make_vm(config, incoming=True)
     migrate.set_capabilities(dst, POSTCOPY)
     uri = migrate.start_incoming(dst, migrate.free_port())
@@ -244,9 +246,10 @@ def test_postcopy_guest_uses_memory_left_out_without_waiting(make_vm: VMFactory)
     migrate.start_postcopy(src)
     migrate.wait_destination_status(dst, "running")
     dst.wait_agent(timeout=120)
-    workload.touch(dst.agent, 256 * MiB)
-    status = src.qmp("query-migrate")["status"]
-    assert status == "postcopy-active", f"fresh memory waited for the migration ({status})"
+    workload.touch(dst.agent, 128 * MiB)
+    info = src.qmp("query-migrate")
+    assert info["status"] == "postcopy-active", f"fresh memory waited for the migration: {info}"
+    assert info["ram"]["remaining"] > 16 * MiB, "too close to the end to tell"
     migrate.set_parameters(src, {"max-postcopy-bandwidth": 0})
     info = migrate.wait_migration(src, 300)
     assert info["status"] == "completed", info
