@@ -564,7 +564,12 @@ def test_stock_best_and_thinvm_stacks() -> None:
 def test_migrate_idle_uses_an_eighth_and_has_the_3x_target() -> None:
     scenario = bench_scenarios.get("migrate-idle").build(BenchOptions(size=2 * GiB))
     assert scenario.params["used"] == "256.00 MiB"
-    assert [v.name for v in scenario.variants] == ["stock-best", "thinvm", "legacy"]
+    assert [v.name for v in scenario.variants] == [
+        "stock-best",
+        "thinvm",
+        "legacy",
+        "thinvm-stock-driver",
+    ]
     (target,) = scenario.targets
     assert (target.variant, target.reference, target.metric) == (
         "thinvm",
@@ -677,6 +682,32 @@ def test_stack_capabilities() -> None:
     assert Stack().caps == {}
     assert Stack(sparse=True).caps == {"sparse-ram": True}
     assert Stack(sparse=True, multifd=True).caps == {"sparse-ram": True, "multifd": True}
+
+
+def test_progress_sample_keeps_what_shows_where_time_goes() -> None:
+    info = {
+        "status": "active",
+        "total-time": 812,
+        "expected-downtime": 41,
+        "ram": {"transferred": 300 * MiB, "remaining": 12 * MiB, "dirty-sync-count": 3},
+    }
+    assert bench_scenarios.progress_sample(info) == {
+        "ms": 812,
+        "status": "active",
+        "sent_mib": 300.0,
+        "remaining_mib": 12.0,
+        "syncs": 3,
+        "expected_downtime_ms": 41,
+    }
+    # Before QEMU has counted anything (setup) the sample still has every key.
+    assert bench_scenarios.progress_sample({"status": "setup"})["sent_mib"] == 0
+
+
+def test_thinvm_stock_driver_differs_from_thinvm_only_in_the_driver() -> None:
+    diagnostic, thinvm = bench_scenarios.THINVM_STOCK_DRIVER, bench_scenarios.THINVM
+    assert diagnostic.driver == "stock" and not diagnostic.ranges
+    assert diagnostic.caps == thinvm.caps and diagnostic.build == thinvm.build
+    assert (diagnostic.hint, diagnostic.reporting) == (thinvm.hint, thinvm.reporting)
 
 
 def test_memmap_bytes_counts_present_pages_of_every_zone() -> None:

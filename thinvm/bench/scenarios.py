@@ -77,6 +77,12 @@ MIGRATION_STACKS: list[tuple[str, Stack, str]] = [
 ]
 
 
+# thinvm's QEMU side with the guest kernel's own balloon driver.
+THINVM_STOCK_DRIVER = Stack(
+    build="patched", driver="stock", hint=True, reporting=True, sparse=True, multifd=True
+)
+
+
 def stack_config(opts: BenchOptions, name: str, memory: int, stack: Stack, **kw: Any) -> VMConfig:
     """guest_config() with the build, driver and features of `stack`."""
     config = guest_config(opts, name, memory, **kw)
@@ -144,6 +150,22 @@ def process_age(pid: int) -> float:
     return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+def progress_sample(info: dict[str, Any]) -> dict[str, Any]:
+    """One `query-migrate` poll, compact: where a migration spends its time
+    (pass by pass, live or stopped) shows in the runs' info as a timeline."""
+    ram = info.get("ram", {})
+    sample: dict[str, Any] = {
+        "ms": info.get("total-time"),
+        "status": info.get("status"),
+        "sent_mib": round(ram.get("transferred", 0) / MiB, 1),
+        "remaining_mib": round(ram.get("remaining", 0) / MiB, 1),
+        "syncs": ram.get("dirty-sync-count"),
+    }
+    if "expected-downtime" in info:
+        sample["expected_downtime_ms"] = info["expected-downtime"]
+    return sample
+
+
 class Transport:
     """Where the source and destination QEMU run and how they connect.
 
@@ -192,8 +214,12 @@ class Transport:
     ) -> migrate.MigrationResult:
         """Migrate with MIGRATION_PARAMS and CHANNELS, plus or overridden by `params`."""
 
+        timeline: list[dict[str, Any]] = []
+        ctx.note("timeline", timeline)
+
         def progress(info: dict[str, Any]) -> None:
             ctx.step(migrate.describe_progress(info))
+            timeline.append(progress_sample(info))
 
         params = {**MIGRATION_PARAMS, **CHANNELS, **(params or {})}
         # The destination accepts as many multifd channels as it expects,
@@ -431,8 +457,18 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
             "destination host had to allocate."
         ),
         variants=[
-            Variant(name, idle_migration(opts, size, stack, transport, idle, used), text)
-            for name, stack, text in MIGRATION_STACKS
+            *(
+                Variant(name, idle_migration(opts, size, stack, transport, idle, used), text)
+                for name, stack, text in MIGRATION_STACKS
+            ),
+            # Diagnostic: thinvm's QEMU and sparse-ram with the guest's own
+            # driver, to tell a slow patched path from our driver's hinting.
+            Variant(
+                "thinvm-stock-driver",
+                idle_migration(opts, size, THINVM_STOCK_DRIVER, transport, idle, used),
+                "patched QEMU, sparse-ram, multifd (2 channels); the guest kernel's own "
+                "driver with hinting + reporting, no page ranges (diagnostic)",
+            ),
         ],
         main_metric="migration_ms",
         second_metric="transferred_bytes",
