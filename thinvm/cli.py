@@ -5,6 +5,7 @@ import contextlib
 import json
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -194,39 +195,57 @@ def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     with attached(args.name) as src:
-        caps: dict[str, bool] = {"sparse-ram": True} if args.sparse else {}
         if args.sparse and src.config.build != "patched":
             raise ThinvmError(
                 "--sparse needs the patched QEMU build: start the VM with --build patched"
             )
+        if args.postcopy is not None and args.postcopy < 0:
+            raise ThinvmError(f"--postcopy {args.postcopy:g}: want seconds, 0 or more")
+        # Said both ways: a VM that arrived by an earlier migration still has
+        # the capabilities it was received with.
+        caps = {"postcopy-ram": args.postcopy is not None}
+        if src.config.build == "patched":
+            caps["sparse-ram"] = args.sparse
         if args.uri:
             line, progress = _progress_printer()
             try:
-                result = migrate.migrate_to_uri(src, args.uri, caps=caps, progress=progress)
+                result = migrate.migrate_to_uri(
+                    src, args.uri, caps=caps, progress=progress, postcopy_after=args.postcopy
+                )
             finally:
                 line.done()
             src.shutdown()
             shutil.rmtree(src.rundir, ignore_errors=True)
         else:
-            result = _migrate_locally(src, caps)
+            result = _migrate_locally(src, caps, args.postcopy)
+    postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
     print(
         f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
         f"{format_size(result.transferred)} sent, {result.normal_pages} normal + "
         f"{result.zero_pages} zero pages"
+        + (f", {format_size(postcopy)} of it in postcopy" if args.postcopy is not None else "")
     )
     return 0
 
 
-def _migrate_locally(src: VM, caps: dict[str, bool]) -> migrate.MigrationResult:
+def _migrate_locally(
+    src: VM, caps: dict[str, bool], postcopy_after: float | None
+) -> migrate.MigrationResult:
     """Migrate into a new local QEMU that then takes over the VM's name."""
     name = src.config.name
-    staging = run_dir() / f".{name}.incoming"
-    shutil.rmtree(staging, ignore_errors=True)
+    # A fresh directory each time: a QEMU removes its sockets and pid file
+    # by the paths it was started with when it quits, and the source of
+    # the next migration is the QEMU started here.  A reused staging name
+    # would let it remove its successor's sockets.
+    run_dir().mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incoming-", dir=run_dir()))
     dst = VM(src.config, rundir=staging, incoming=True, detached=True)
     line, progress = _progress_printer()
     try:
         dst.start()
-        result = migrate.migrate(src, dst, caps=caps, progress=progress)
+        result = migrate.migrate(
+            src, dst, caps=caps, progress=progress, postcopy_after=postcopy_after
+        )
         line.done()
     except BaseException:
         line.done()
@@ -443,6 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
     p.add_argument(
         "--sparse", action="store_true", help="skip RAM the host never populated (sparse-ram)"
+    )
+    p.add_argument(
+        "--postcopy",
+        type=float,
+        metavar="SECONDS",
+        help="switch to postcopy this long after the start (0: at once); with --uri the "
+        "destination must have postcopy-ram on",
     )
     p.set_defaults(func=cmd_migrate)
 

@@ -103,6 +103,10 @@ def test_each_command_attaches_afresh_across_balloon_changes(
         (["exec", name, "--", "echo", "two"], r"^two$"),
         (["migrate", name], r"migrated in"),
         (["exec", name, "--", "echo", "three"], r"^three$"),
+        (["migrate", name, "--postcopy", "0"], r"migrated in .* of it in postcopy$"),
+        (["exec", name, "--", "echo", "four"], r"^four$"),
+        (["migrate", name], r"migrated in"),
+        (["exec", name, "--", "echo", "five"], r"^five$"),
         (["down", name], r": down$"),
     ]
     for args, expected in steps:

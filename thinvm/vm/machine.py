@@ -447,6 +447,12 @@ class VM:
             if self.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.process.wait(timeout)
+            elif self.pid is not None:
+                # Not our child (thinvm up): wait all the same.  A QEMU
+                # that quits removes its sockets and pid file by path on
+                # the way out, and after a migration those paths may
+                # already belong to the QEMU that took over the VM.
+                _wait_pid_gone(self.pid, timeout)
         self.kill()
 
     def __enter__(self) -> "VM":
