@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +491,51 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
                 at_most=1 / 3,
             )
         ],
+    )
+
+
+# -- 2b. migrate-hinting ----------------------------------------------------
+
+
+def make_migrate_hinting(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    """migrate-idle's guest with and without free page hinting, on both stacks."""
+    idle = _float(params, "idle")
+    used = int(size * _used_fraction(params)) // MiB * MiB
+    transport = Transport(opts.net)
+    stacks = [
+        ("stock-best", STOCK_BEST, "stock QEMU and driver; hinting + reporting, multifd"),
+        (
+            "stock-best-no-hinting",
+            replace(STOCK_BEST, hint=False),
+            "stock QEMU and driver; reporting, multifd",
+        ),
+        ("thinvm", THINVM, "patched QEMU, our driver; hinting + reporting + ranges, sparse-ram"),
+        (
+            "thinvm-no-hinting",
+            replace(THINVM, hint=False),
+            "patched QEMU, our driver; reporting + ranges, sparse-ram, multifd",
+        ),
+    ]
+    return Scenario(
+        name="migrate-hinting",
+        title="does free page hinting pay? migrate-idle with and without it",
+        description=(
+            f"migrate-idle's guest ({format_size(size)}, {format_size(used)} of data, the "
+            "rest touched, freed and reported) migrated with and without free page hinting, "
+            "on stock-best's stack and on thinvm's. To hint, the guest's driver allocates "
+            "its free pages, and Debian's kernels zero every page they allocate "
+            "(`init_on_alloc=1`): the guest writes its free memory while it migrates, "
+            "which QEMU then has to track (zero pages, dirty syncs). With free page "
+            "reporting the host already got that memory back."
+        ),
+        variants=[
+            Variant(n, idle_migration(opts, size, s, transport, idle, used), text)
+            for n, s, text in stacks
+        ],
+        main_metric="migration_ms",
+        second_metric="zero_pages",
+        params={"size": format_size(size), "used": format_size(used), "idle_s": idle},
+        context=transport.session,
     )
 
 
@@ -1390,6 +1435,15 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             "migrate-idle",
             "idle guest using 1/8 of its RAM: thinvm vs stock-best",
             make_migrate_idle,
+            "2G",
+            "guest RAM",
+            default_runs=3,
+            params={"idle": "2", "used": "0.125"},
+        ),
+        ScenarioSpec(
+            "migrate-hinting",
+            "does free page hinting pay? migrate-idle with and without it",
+            make_migrate_hinting,
             "2G",
             "guest RAM",
             default_runs=3,
