@@ -18,7 +18,13 @@ from thinvm.progress import ProgressLine
 from thinvm.qemu import accel, builds
 from thinvm.units import format_size, parse_size
 from thinvm.vm import balloon, migrate
-from thinvm.vm.machine import VM, BalloonOptions, VMConfig, install_signal_handlers
+from thinvm.vm.machine import (
+    VM,
+    BalloonOptions,
+    VMConfig,
+    install_signal_handlers,
+    kill_unreachable,
+)
 
 
 def add_vm_options(parser: argparse.ArgumentParser) -> None:
@@ -273,6 +279,9 @@ def cmd_down(args: argparse.Namespace) -> int:
                 vm.shutdown()
         except ThinvmError as exc:
             print(f"{name}: {exc}", file=sys.stderr)
+            # Its QEMU may still run without a monitor we can reach.
+            if (pid := kill_unreachable(rundir)) is not None:
+                print(f"{name}: killed QEMU pid {pid}", file=sys.stderr)
         shutil.rmtree(rundir, ignore_errors=True)
         print(f"{name}: down")
     return 0

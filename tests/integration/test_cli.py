@@ -6,6 +6,7 @@ import subprocess
 import pytest
 
 from tests.conftest import qemu_pids, thinvm_cli
+from thinvm.paths import run_dir
 
 pytestmark = pytest.mark.guest
 
@@ -71,4 +72,18 @@ def test_up_balloon_migrate_down() -> None:
     finally:
         thinvm("down", name, check=False)
     assert name not in thinvm("status").stdout
+    assert qemu_pids(name) == set()
+
+
+def test_down_stops_a_vm_whose_monitor_is_gone() -> None:
+    """A VM whose QMP socket vanished is still stopped by 'down', not orphaned."""
+    name = "clidown"
+    try:
+        thinvm("up", "--name", name, "--memory", "512M")
+        (pid,) = qemu_pids(name)
+        (run_dir() / name / "qmp.sock").unlink()
+        out = thinvm("down", name)
+        assert f"killed QEMU pid {pid}" in out.stderr
+    finally:
+        thinvm("down", name, check=False)
     assert qemu_pids(name) == set()

@@ -511,6 +511,25 @@ def _pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def kill_unreachable(rundir: Path) -> int | None:
+    """Kill the QEMU of a detached VM that can no longer be reached over QMP.
+
+    The pid comes from the VM's state file and is killed only if it still
+    runs a QEMU for this VM, so a reused pid is left alone.  Returns the
+    pid killed, or None.
+    """
+    try:
+        pid = int(json.loads((rundir / "state.json").read_text())["pid"])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, KeyError):
+        return None
+    if b"-name" not in cmdline or f"thinvm-{rundir.name}".encode() not in cmdline:
+        return None
+    os.kill(pid, signal.SIGKILL)
+    _wait_pid_gone(pid, 5.0)
+    return pid
+
+
 def _wait_pid_gone(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while _pid_alive(pid) and time.monotonic() < deadline:
