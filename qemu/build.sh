@@ -7,7 +7,11 @@
 # patched tree is refreshed file by file (so only files a patch touches get
 # a new mtime) and both builds share one ccache.
 #
-# Usage: qemu/build.sh [stock|patched|all]
+# A third flavour, "tsan", is the patched tree built with ThreadSanitizer
+# for the migration qtests (qemu/run-qtests.sh --tsan); it is not part of
+# "all", since nothing else needs it and it costs a full build of its own.
+#
+# Usage: qemu/build.sh [stock|patched|all|tsan]
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -86,6 +90,7 @@ touched_by() {
 # content changed: everything else keeps its mtime and make skips it.
 prepare_tree() {
 	local flavour=$1 tree=$cache/qemu/$1-src
+	[ "$flavour" = tsan ] && flavour=patched tree=$cache/qemu/patched-src
 	if [ "$flavour" = stock ]; then
 		echo "$pristine"
 		return
@@ -143,10 +148,12 @@ configure_build() {
 	# configure pins the compiler, which defeats meson's own ccache
 	# detection: name ccache explicitly so the second flavour and any
 	# rebuild from scratch hit the cache.
-	local cc=gcc
+	local cc=gcc extra=()
 	command -v ccache >/dev/null && cc="ccache gcc"
+	# TSan needs the fiber interface of gcc's libtsan for coroutines.
+	[ "$flavour" = tsan ] && extra=(--enable-tsan)
 	(cd "$build" && "$tree/configure" \
-		--cc="$cc" \
+		--cc="$cc" "${extra[@]}" \
 		--python="$venv/bin/python3" \
 		--target-list=x86_64-softmmu \
 		--enable-kvm --enable-tcg \
@@ -191,8 +198,10 @@ build_one() {
 	tree=$(prepare_tree "$flavour")
 	build=$(configure_build "$flavour" "$tree")
 	# The patched build also carries our qtests (qemu/run-qtests.sh).
-	[ "$flavour" = patched ] &&
-		targets="$targets tests/qtest/qos-test tests/qtest/migration-test"
+	case $flavour in
+	patched) targets="$targets tests/qtest/qos-test tests/qtest/migration-test" ;;
+	tsan) targets="$targets tests/qtest/migration-test" ;;
+	esac
 	log "building $flavour ($(nproc) jobs)"
 	ninja -C "$build" -j"$(nproc)" $targets >&2 ||
 		die "$flavour build failed"
@@ -207,5 +216,6 @@ unpack_pristine
 case "${1:-all}" in
 stock|patched) build_one "$1" ;;
 all) build_one stock; build_one patched ;;
-*) die "unknown build '$1' (stock, patched or all)" ;;
+tsan) build_one tsan ;;
+*) die "unknown build '$1' (stock, patched, all or tsan)" ;;
 esac

@@ -2,11 +2,24 @@
 # Run the QEMU qtests that cover thinvm's device and migration changes,
 # against the patched build tree.  TAP on stdout; exit status 0 only if
 # all passed.
+#
+#   qemu/run-qtests.sh          every test below, on the patched build
+#   qemu/run-qtests.sh --tsan   the sparse-ram migration tests whose
+#                               threads meet (postcopy-preempt, multifd) on
+#                               the ThreadSanitizer build (qemu/build.sh
+#                               tsan), guest under KVM; a test fails if
+#                               TSan reports a race with a frame in
+#                               sparse-ram's code
 set -uo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 build=$cache/qemu/patched-build
 venv=${THINVM_VENV:-$cache/venv}
+tsan=0
+if [ "${1:-}" = --tsan ]; then
+	tsan=1
+	build=$cache/qemu/tsan-build
+fi
 qos=/x86_64/pc/i440FX-pcihost/pci-bus-pc/pci-bus/virtio-balloon-pci/virtio-balloon/virtio-balloon-tests
 
 mig=/x86_64/migration/sparse-ram
@@ -37,6 +50,11 @@ tests=(
 	"migration-test:$mig/postcopy/plain"
 	"migration-test:$mig/postcopy/recovery"
 	"migration-test:$mig/postcopy/unsent-pages"
+	"migration-test:$mig/postcopy/preempt/plain"
+	"migration-test:$mig/postcopy/preempt/recovery"
+	"migration-test:$mig/postcopy/dirty/plain"
+	"migration-test:$mig/postcopy/dirty/preempt"
+	"migration-test:$mig/postcopy/dirty/preempt-recovery"
 	"migration-test:$mig/refuse/no-configuration"
 	"migration-test:$mig/refuse/mem-prealloc"
 	"migration-test:$mig/refuse/mem-lock"
@@ -44,7 +62,19 @@ tests=(
 	"migration-test:$mig/tpm-ppi"
 )
 
-for bin in qos-test migration-test; do
+# Under TSan: the tests where sparse-ram code runs in more than one thread.
+if [ $tsan = 1 ]; then
+	tests=(
+		"migration-test:$mig/postcopy/preempt/plain"
+		"migration-test:$mig/postcopy/preempt/recovery"
+		"migration-test:$mig/postcopy/dirty/preempt"
+		"migration-test:$mig/postcopy/dirty/preempt-recovery"
+		"migration-test:$mig/multifd/tcp"
+		"migration-test:$mig/discarded/multifd"
+	)
+fi
+
+for bin in $([ $tsan = 1 ] || echo qos-test) migration-test; do
 	[ -x "$build/tests/qtest/$bin" ] || {
 		echo "no $bin in $build: run qemu/build.sh patched" >&2
 		exit 2
@@ -62,19 +92,62 @@ if [ -e /dev/kvm ] &&
 	hide_kvm+=(sh -c 'mount --bind /dev/null /dev/kvm && exec "$@"' hide-kvm)
 fi
 
+# TSan writes one log per process; QEMU has reports of its own elsewhere
+# (tests/tsan/), so only those that involve sparse-ram fail a test.  The
+# test binary is built with TSan too and forks QEMU from a threaded
+# process, which TSan refuses unless told that the child only execs.
+tsan_logs=
+if [ $tsan = 1 ]; then
+	tsan_logs=$(mktemp -d)
+	trap 'rm -rf "$tsan_logs"' EXIT
+	tree=$(sed -n "s/^SRC_PATH=//p" "$build/config-host.mak" 2>/dev/null)
+	[ -n "$tree" ] || tree=$cache/qemu/patched-src
+	export TSAN_OPTIONS="suppressions=$tree/tests/tsan/suppressions.tsan halt_on_error=0 exitcode=0 die_after_fork=0 log_path=$tsan_logs/tsan"
+fi
+
+# Under TCG, TSan's shadow memory for the code buffer and the guest's
+# accesses grows by ~150 MB/s until the OOM killer ends QEMU (23 GB
+# measured), so the TSan tests run the guest under KVM, however slow it is
+# here, and in a memory cgroup (v1 or v2) that keeps a runaway QEMU to
+# itself.
+tsan_wrap=()
+if [ $tsan = 1 ]; then
+	[ -w /dev/kvm ] || { echo "--tsan needs /dev/kvm" >&2; exit 2; }
+	cg=
+	if [ -d /sys/fs/cgroup/memory ]; then
+		cg=/sys/fs/cgroup/memory/thinvm-tsan
+		mkdir -p "$cg" && echo 8G >"$cg/memory.limit_in_bytes"
+	elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+		cg=/sys/fs/cgroup/thinvm-tsan
+		mkdir -p "$cg" && echo 8G >"$cg/memory.max"
+	fi
+	[ -n "$cg" ] && tsan_wrap=(sh -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cg")
+fi
+
+# Print the TSan reports that have a frame in sparse-ram's code.
+sparse_races() {
+	cat "$tsan_logs"/tsan* 2>/dev/null |
+		awk -v RS='==================' '/WARNING: ThreadSanitizer/ &&
+			/ram-sparse|ram_sparse_|ram_page_unpopulated/ { print; n++ }
+			END { exit n == 0 }'
+}
+
 cd "$build" || exit 2
 export QTEST_QEMU_BINARY=./qemu-system-x86_64
 failed=0
 for pair in "${tests[@]}"; do
 	bin=${pair%%:*} t=${pair#*:} wrap=()
 	[ "$bin" = migration-test ] && wrap=("${hide_kvm[@]}")
+	[ $tsan = 1 ] && wrap=("${tsan_wrap[@]}") && rm -f "$tsan_logs"/tsan*
 	# One test per process: qos-test honours a single -p.
-	if out=$(timeout 300 "${wrap[@]}" "./tests/qtest/$bin" -p "$t" 2>&1) &&
-		grep -q "^ok 1 $t\$" <<<"$out"; then
+	if out=$(timeout 600 "${wrap[@]}" "./tests/qtest/$bin" -p "$t" 2>&1) &&
+		grep -q "^ok 1 $t\$" <<<"$out" &&
+		{ [ $tsan = 0 ] || ! races=$(sparse_races); }; then
 		echo "ok - $t"
 	else
 		echo "not ok - $t"
 		sed 's/^/#   /' <<<"$out" | tail -n 20
+		[ -n "${races:-}" ] && sed 's/^/#   /' <<<"$races" | head -n 60
 		failed=1
 	fi
 done
