@@ -35,11 +35,18 @@ class Monitor:
             raise ThinvmError(f"cannot connect to QMP socket {path}: {exc}") from exc
         self._connected = True
 
-    def cmd(self, command: str, timeout: float | None = 60.0, **args: Any) -> Any:
-        """Execute one QMP command; QMP errors become ThinvmError."""
+    def cmd(
+        self, command: str, timeout: float | None = 60.0, oob: bool = False, **args: Any
+    ) -> Any:
+        """Execute one QMP command; QMP errors become ThinvmError.
+
+        `oob` sends it out of band, for the few commands that allow it
+        (migrate-recover, migrate-pause): they are answered even while
+        QEMU's main thread waits, e.g. on a postcopy page fault.
+        """
         args = {key.replace("_", "-"): value for key, value in args.items()}
         try:
-            return self._run(self._client.execute(command, args or None), timeout)
+            return self._run(self._client.execute(command, args or None, oob=oob), timeout)
         except ExecuteError as exc:
             raise ThinvmError(f"QMP {command} failed: {exc.error.error.desc}") from exc
         except (QMPError, EOFError, OSError) as exc:

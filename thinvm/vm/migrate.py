@@ -117,6 +117,43 @@ def start_postcopy(src: VM, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def wait_source_status(src: VM, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
+    """Poll the source's query-migrate until its status is one of `wanted`."""
+    deadline = time.monotonic() + timeout
+    while (status := str(src.qmp("query-migrate").get("status"))) not in wanted:
+        if status in ("failed", "cancelled") or time.monotonic() > deadline:
+            raise ThinvmError(f"migration is {status!r}, expected one of {', '.join(wanted)}")
+        time.sleep(0.05)
+    return status
+
+
+def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
+    """Break a postcopy migration's channel and resume it on a new one.
+
+    This is what an operator does after a network failure in postcopy:
+    both sides pause, the destination listens again (`migrate-recover`)
+    and the source resumes, sending what the destination's received map
+    says is missing.  The destination is only ever asked out of band: its
+    main thread may itself wait on a page that can only come once the
+    migration resumes.
+    """
+    src.qmp("migrate-pause")
+    wait_source_status(src, ("postcopy-paused",), timeout)
+    uri = f"tcp:127.0.0.1:{free_port()}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            dst.qmp("migrate-recover", uri=uri, oob=True)
+            break
+        except ThinvmError as exc:
+            # The destination notices the broken channel a little later.
+            if "paused" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    src.qmp("migrate", uri=uri, resume=True)
+    wait_source_status(src, ("postcopy-active", "completed"), timeout)
+
+
 def _postcopy_after(src: VM, seconds: float, progress: Progress | None) -> Progress:
     """A progress callback that switches to postcopy `seconds` into the migration."""
     switch_at = time.monotonic() + seconds
