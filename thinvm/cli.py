@@ -302,7 +302,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from thinvm.bench import harness as bench
+    from thinvm.bench import runner as bench
 
     options = bench.BenchOptions(
         size=parse_size(args.size) if args.size else None,

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from thinvm.bench import harness as bench
+from thinvm.bench import results as bench_results
+from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
+from thinvm.bench.types import BenchOptions
 from thinvm.progress import ProgressLine
 from thinvm.units import GiB
 from thinvm.vm import balloon
@@ -21,14 +23,12 @@ pytestmark = pytest.mark.guest
 def test_inflate_scenario_end_to_end(tmp_path: Path) -> None:
     results, docs = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
     variants = ["untouched", "touched", "touched-ranges"]
-    options = bench.BenchOptions(
-        size=1 * GiB, runs=1, variants=variants, params={"fraction": "0.75"}
-    )
-    path = bench.run(
+    options = BenchOptions(size=1 * GiB, runs=1, variants=variants, params={"fraction": "0.75"})
+    path = runner.run(
         "inflate", options, results_dir=results, docs=docs, line=ProgressLine("[test] ")
     )
     data = json.loads(path.read_text())
-    bench.validate_result(data)
+    bench_results.validate_result(data)
     assert [r.get("error") for r in data["runs"]] == [None] * len(variants)
     assert [r["variant"] for r in data["runs"]] == variants
     touched = data["summary"]["touched"]
@@ -67,17 +67,17 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
     """Both stacks migrate a guest holding data; ratios and the target are against stock-best."""
     results = tmp_path / "results"
     # The diagnostic thinvm-stock-driver row is left out: it is for recorded runs.
-    options = bench.BenchOptions(
+    options = BenchOptions(
         size=1 * GiB,
         runs=1,
         params={"idle": "0"},
         variants=["stock-best", "thinvm", "legacy"],
     )
-    path = bench.run(
+    path = runner.run(
         "migrate-idle", options, results_dir=results, docs=None, line=ProgressLine("[test] ")
     )
     data = json.loads(path.read_text())
-    bench.validate_result(data)
+    bench_results.validate_result(data)
     # A run fails if the destination's data differ from what the source wrote.
     assert [(r["variant"], r.get("error")) for r in data["runs"]] == [
         ("stock-best", None),

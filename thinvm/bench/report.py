@@ -1,6 +1,6 @@
 """Benchmark reports: markdown tables, docs/benchmarks.md, PNG plots.
 
-Everything here is a pure function of results documents (see thinvm.bench.harness)
+Everything here is a pure function of results documents (see thinvm.bench.results)
 except plot_result(), which draws with matplotlib's Agg backend.
 """
 

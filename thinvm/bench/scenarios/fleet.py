@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
+from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
 
 NAME = "fleet-migrate"
@@ -48,10 +49,7 @@ def _cluster(link: str) -> Iterator[None]:
 
 def _qemu_rss(h: Host, name: str) -> int:
     pid = int((Path(h.root) / "run" / "qemu" / f"{name}.pid").read_text().strip())
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise ThinvmError(f"no VmRSS for QEMU {pid}")
+    return process_memory(pid).rss
 
 
 def _settle_rss(h: Host, name: str, timeout: float = 60.0, quiet: float = 4.0) -> int:
@@ -215,7 +213,7 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
     )
 
 
-# The registry entry: ScenarioSpec(**SPEC) in thinvm.bench.scenarios.
+# The registry entry: ScenarioSpec(**SPEC) in thinvm.bench.scenarios.__init__.
 SPEC: dict[str, Any] = {
     "name": NAME,
     "title": "libvirt migration across a 10 Gbit/s cluster link: thinvm vs stock-best",

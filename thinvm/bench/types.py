@@ -1,0 +1,155 @@
+"""What a benchmark is made of: scenarios, their variants and targets, options.
+
+A Scenario has named Variants; each variant is a callable that performs ONE
+measurement (usually: boot fresh guests, do one thing, tear down) and
+returns a dict of numeric metrics.  thinvm.bench.runner runs them,
+thinvm.bench.results summarises and records them.  This module imports
+nothing else of the bench, so every other module can import it.
+"""
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinvm.errors import ThinvmError
+from thinvm.vm.machine import BalloonOptions, VMConfig
+from thinvm.vm.stack import Stack
+
+Metric = float | int | None
+Metrics = dict[str, Metric]
+
+
+@dataclass
+class RunContext:
+    """What a variant's measurement gets from the harness."""
+
+    scenario: str
+    variant: str
+    run: int  # 1-based run number of this variant
+    runs: int
+    progress: Callable[[str], None] = lambda _text: None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def step(self, text: str) -> None:
+        """Show what the run is doing now on the progress line."""
+        self.progress(text)
+
+    def note(self, key: str, value: Any) -> None:
+        """Record a non-numeric fact about this run (accel, a guest's output)."""
+        self.info[key] = value
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    run: Callable[[RunContext], Metrics]
+    description: str = ""
+    # The variant this one's ratios are taken against; default: the
+    # scenario's baseline.  E.g. thinvm at 8 GiB against stock at 8 GiB.
+    reference: str | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal stated as a ratio: `variant`'s median `metric` / `reference`'s <= at_most.
+
+    "thinvm at least 3x faster than stock-best" is
+    Target(..., "thinvm", "stock-best", "migration_ms", at_most=1 / 3).
+    """
+
+    label: str
+    variant: str
+    reference: str
+    metric: str
+    at_most: float
+
+
+@dataclass
+class Scenario:
+    name: str
+    title: str
+    description: str  # markdown: what it measures and how
+    variants: list[Variant]
+    main_metric: str
+    second_metric: str | None = None
+    baseline: str | None = None  # default: the first variant
+    params: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    # Entered once around all runs (e.g. a veth link, a memory cgroup).
+    context: Callable[[], AbstractContextManager[Any]] | None = None
+
+    @property
+    def baseline_name(self) -> str:
+        return self.baseline or self.variants[0].name
+
+    @property
+    def references(self) -> dict[str, str]:
+        """Variant -> the variant its ratios are taken against, where that was run."""
+        names = {v.name for v in self.variants}
+        return {
+            v.name: v.reference
+            for v in self.variants
+            if v.reference is not None and v.reference in names and v.reference != v.name
+        }
+
+    def select(self, names: Sequence[str]) -> None:
+        """Keep only the named variants, in the order given."""
+        known = {v.name: v for v in self.variants}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ThinvmError(
+                f"scenario {self.name} has no variant {', '.join(unknown)}: "
+                f"choose from {', '.join(known)}"
+            )
+        self.variants = [known[n] for n in names]
+        if self.baseline not in names:
+            self.baseline = None
+
+
+@dataclass
+class BenchOptions:
+    """How to run a scenario; the CLI fills it from its flags."""
+
+    size: int | None = None
+    runs: int | None = None
+    variants: list[str] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)
+    build: str = "stock"
+    kernel: str = "6.1"
+    driver: str = "stock"
+    accel: str = "auto"
+    counter: str = "auto"
+    net: str = "loopback"
+
+    def vm_config(
+        self,
+        name: str,
+        memory: int,
+        stack: Stack | None = None,
+        *,
+        reporting: bool = False,
+        prealloc: bool = False,
+        prealloc_threads: int = 1,
+        reserve: bool = True,
+    ) -> VMConfig:
+        """The one place a benchmark guest's VMConfig is built.
+
+        With a `stack`, its build, driver and balloon features decide; without
+        one, the --build and --driver the run was given, and a balloon with
+        free page reporting if `reporting`.
+        """
+        if stack is not None and reporting:
+            raise ValueError("reporting comes from the stack when one is given")
+        return VMConfig(
+            name=name,
+            build=stack.build if stack else self.build,
+            memory=memory,
+            accel=self.accel,
+            kernel=self.kernel,
+            guest_driver=stack.driver if stack else self.driver,
+            prealloc=prealloc,
+            prealloc_threads=prealloc_threads,
+            reserve=reserve,
+            balloon=stack.balloon() if stack else BalloonOptions(free_page_reporting=reporting),
+        )
