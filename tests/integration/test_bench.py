@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from thinvm.bench import cpu as bench_cpu
 from thinvm.bench import results as bench_results
 from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
@@ -93,6 +94,15 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
     # stock-best reads the reported-free memory as zero pages; thinvm skips it unread.
     assert best["sparse_skipped_pages"]["median"] == 0
     assert thinvm["sparse_skipped_pages"]["median"] > 0
+    # CPU seconds per side and thread kind: the migration's cost, beside its time.
+    cpu_names = bench_cpu.metric_names("src") + bench_cpu.metric_names("dst")
+    for variant, summary in data["summary"].items():
+        missing = [name for name in cpu_names if name not in summary]
+        assert not missing, f"{variant} lacks {missing}"
+        assert summary["src_cpu_s"]["median"] > 0 and summary["dst_cpu_s"]["median"] > 0
+        # QEMU named its threads (-name debug-threads=on): the migration's show.
+        named = summary["src_migration_cpu_s"]["median"] + summary["src_multifd_cpu_s"]["median"]
+        assert named > 0, f"{variant}: no CPU time in named migration threads"
     (target,) = data["targets"]
     assert target["variant"] == "thinvm" and target["reference"] == "stock-best"
     assert target["ratio"] == pytest.approx(

@@ -735,3 +735,23 @@ Node 0, zone    DMA32
 """
     assert scale.memmap_bytes(zoneinfo) == (3998 + 520159) * 64
     assert scale.memmap_bytes("") == 0
+
+
+def test_one_vm_config_for_every_benchmark_guest() -> None:
+    opts = BenchOptions(build="patched", kernel="6.12", driver="thinvm", accel="tcg")
+    plain = opts.vm_config("g", 1 * GiB, reporting=True, prealloc=True, reserve=False)
+    assert (plain.build, plain.kernel, plain.guest_driver, plain.accel) == (
+        "patched",
+        "6.12",
+        "thinvm",
+        "tcg",
+    )
+    assert plain.balloon.free_page_reporting and not plain.balloon.free_page_hint
+    assert plain.prealloc and not plain.reserve
+    # QEMU names its threads, so the CPU accounting can tell them apart.
+    assert plain.extra_args == list(bench_types.GUEST_ARGS)
+    stacked = opts.vm_config("g", 1 * GiB, THINVM)
+    assert (stacked.build, stacked.guest_driver) == ("patched", "thinvm")
+    assert stacked.balloon == THINVM.balloon()
+    with pytest.raises(ValueError):
+        opts.vm_config("g", 1 * GiB, THINVM, reporting=True)

@@ -69,6 +69,16 @@ LABELS = {
     "qmp_s": "launch to QMP ready",
     "fit_guests": "guests that fit",
     "oom_guests": "guests OOM-killed",
+    "src_cpu_s": "source CPU",
+    "src_migration_cpu_s": "source CPU: migration threads",
+    "src_vcpu_cpu_s": "source CPU: vCPUs",
+    "src_multifd_cpu_s": "source CPU: multifd channels",
+    "src_other_cpu_s": "source CPU: other threads",
+    "dst_cpu_s": "destination CPU",
+    "dst_migration_cpu_s": "destination CPU: migration threads",
+    "dst_vcpu_cpu_s": "destination CPU: vCPUs",
+    "dst_multifd_cpu_s": "destination CPU: multifd channels",
+    "dst_other_cpu_s": "destination CPU: other threads (main loop)",
 }
 
 

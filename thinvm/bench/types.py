@@ -19,6 +19,12 @@ from thinvm.vm.stack import Stack
 Metric = float | int | None
 Metrics = dict[str, Metric]
 
+# Appended to every benchmark guest's command line: QEMU names its threads
+# (vCPUs, migration, multifd channels) only when asked to, and the CPU
+# accounting (thinvm.bench.cpu) tells them apart by name.  -name options
+# merge, so the guest keeps the name thinvm gave it.
+GUEST_ARGS = ("-name", "debug-threads=on")
+
 
 @dataclass
 class RunContext:
@@ -152,4 +158,5 @@ class BenchOptions:
             prealloc_threads=prealloc_threads,
             reserve=reserve,
             balloon=stack.balloon() if stack else BalloonOptions(free_page_reporting=reporting),
+            extra_args=list(GUEST_ARGS),
         )

@@ -9,7 +9,6 @@ from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
     Transport,
-    migration_metrics,
 )
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.units import GiB, format_size
@@ -35,8 +34,8 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
                     )
                 metrics["src_rss_bytes"] = src.host_memory().rss
                 with transport.start(config, incoming=True) as dst:
-                    result = transport.migrate(src, dst, ctx, stack.caps)
-                    metrics.update(migration_metrics(result))
+                    migrated = transport.migrate(src, dst, ctx, stack.caps)
+                    metrics.update(migrated.metrics)
                     metrics["dst_rss_bytes"] = dst.host_memory().rss
             return metrics
 

@@ -16,7 +16,6 @@ from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
     Transport,
-    migration_metrics,
 )
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
@@ -65,8 +64,8 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
                     out = _wait_dirty_result(src, seconds + 120)
                 else:
                     with transport.start(config, incoming=True) as dst:
-                        result = transport.migrate(src, dst, ctx, stack.caps, limit)
-                        metrics.update(migration_metrics(result))
+                        migrated = transport.migrate(src, dst, ctx, stack.caps, limit)
+                        metrics.update(migrated.metrics)
                         ctx.step("waiting for the workload to finish on the destination")
                         out = _wait_dirty_result(dst, seconds + 120)
             ctx.note("workload", out)

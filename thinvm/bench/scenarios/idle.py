@@ -19,7 +19,6 @@ from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
     Transport,
-    migration_metrics,
 )
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.units import MiB, format_size
@@ -46,11 +45,11 @@ def idle_migration(
         with transport.start(config) as src:
             metrics = hold_then_idle(ctx, src, stack, used, IDLE_SEED, idle)
             with transport.start(config, incoming=True) as dst:
-                result = transport.migrate(src, dst, ctx, stack.caps)
+                migrated = transport.migrate(src, dst, ctx, stack.caps)
                 dst_mem = dst.host_memory()
                 if used:
                     verify_pattern(dst, ctx, IDLE_SEED)
-        return {**migration_metrics(result), "dst_rss_bytes": dst_mem.rss, **metrics}
+        return {**migrated.metrics, "dst_rss_bytes": dst_mem.rss, **metrics}
 
     return run
 

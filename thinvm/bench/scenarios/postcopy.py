@@ -12,15 +12,10 @@ from thinvm.bench.scenarios.params import (
     float_param,
     used_bytes,
 )
-from thinvm.bench.scenarios.transport import (
-    CHANNELS,
-    MIGRATION_PARAMS,
-    migration_metrics,
-)
+from thinvm.bench.scenarios.transport import Transport
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.units import format_size
 from thinvm.vm import migrate
-from thinvm.vm.machine import VM
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 POSTCOPY_SEED = 12
@@ -65,30 +60,25 @@ def postcopy_metrics(result: migrate.MigrationResult) -> Metrics:
 def make_migrate_postcopy(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = float_param(params, "idle")
     used = used_bytes(params, size)
+    # Over loopback only: what postcopy changes does not depend on the link.
+    transport = Transport("loopback")
 
     def variant(stack: Stack, postcopy: bool) -> Callable[[RunContext], Metrics]:
         caps = {**stack.caps, **(POSTCOPY if postcopy else {})}
 
         def run(ctx: RunContext) -> Metrics:
             config = opts.vm_config("b-postcopy", size, stack)
-            params = {**MIGRATION_PARAMS, **CHANNELS}
-            with VM(config).start() as src:
+            with transport.start(config) as src:
                 metrics = hold_then_idle(ctx, src, stack, used, POSTCOPY_SEED, idle)
-                with VM(config, incoming=True).start() as dst:
-                    migrate.set_parameters(dst, {"multifd-channels": params["multifd-channels"]})
-                    ctx.step("migrating" + (" (postcopy)" if postcopy else ""))
-                    result = migrate.migrate(
-                        src,
-                        dst,
-                        caps=caps,
-                        params=params,
-                        postcopy_after=SWITCH_AFTER_S if postcopy else None,
+                with transport.start(config, incoming=True) as dst:
+                    migrated = transport.migrate(
+                        src, dst, ctx, caps, postcopy_after=SWITCH_AFTER_S if postcopy else None
                     )
                     dst_rss = dst.host_memory().rss
                     verify_pattern(dst, ctx, POSTCOPY_SEED)
             return {
-                **migration_metrics(result),
-                **postcopy_metrics(result),
+                **migrated.metrics,
+                **postcopy_metrics(migrated.result),
                 "dst_rss_bytes": dst_rss,
                 **metrics,
             }

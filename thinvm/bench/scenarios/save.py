@@ -4,6 +4,7 @@ import os
 import time
 from collections.abc import Callable
 
+from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.scenarios.common import (
     LEGACY,
     hold_then_idle,
@@ -49,19 +50,23 @@ SAVE_STACKS: list[tuple[str, Stack, dict[str, bool], str]] = [
 ]
 
 
-def _restore(config: VMConfig, uri: str, caps: dict[str, bool], ctx: RunContext) -> VM:
-    """A new QEMU that loads the saved file and runs; returns it (caller owns it)."""
+def _restore(
+    config: VMConfig, uri: str, caps: dict[str, bool], ctx: RunContext
+) -> tuple[VM, Metrics]:
+    """A new QEMU that loads the saved file and runs; returns it (caller owns
+    it) and the CPU seconds its threads spent loading (dst_*)."""
     dst = VM(config, incoming=True).start()
     try:
         migrate.set_capabilities(dst, caps)
         migrate.set_parameters(dst, dict(CHANNELS))
         ctx.step("restoring")
-        dst.qmp("migrate-incoming", uri=uri)
-        migrate.wait_destination_status(dst, "running", timeout=600)
+        with MigrationCpu(None, dst.pid) as cpu:
+            dst.qmp("migrate-incoming", uri=uri)
+            migrate.wait_destination_status(dst, "running", timeout=600)
     except BaseException:
         dst.kill()
         raise
-    return dst
+    return dst, cpu.metrics
 
 
 def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -80,12 +85,16 @@ def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> 
                 with VM(config).start() as src:
                     metrics = hold_then_idle(ctx, src, stack, used, SAVE_SEED, idle)
                     ctx.step(f"saving to {path.name}")
-                    result = migrate.migrate_to_uri(
-                        src, uri, caps=caps, params={**MIGRATION_PARAMS, **CHANNELS}
-                    )
+                    with MigrationCpu(src.pid, None) as cpu:
+                        result = migrate.migrate_to_uri(
+                            src, uri, caps=caps, params={**MIGRATION_PARAMS, **CHANNELS}
+                        )
+                    metrics.update(cpu.metrics)
                 st = path.stat()
                 began = time.monotonic()
-                with _restore(config, uri, caps, ctx) as dst:
+                restored, restore_cpu = _restore(config, uri, caps, ctx)
+                metrics.update(restore_cpu)
+                with restored as dst:
                     restore_ms = (time.monotonic() - began) * 1000
                     dst.wait_agent(timeout=60)
                     if used:

@@ -18,7 +18,6 @@ from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
     Transport,
-    migration_metrics,
 )
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
@@ -88,10 +87,10 @@ def fresh_guest_migration(
                 "guest_memmap_bytes": guest_memmap_bytes(src),
             }
             with transport.start(config, incoming=True) as dst:
-                result = transport.migrate(src, dst, ctx, stack.caps, params)
-                metrics.update(migration_metrics(result))
+                migrated = transport.migrate(src, dst, ctx, stack.caps, params)
+                metrics.update(migrated.metrics)
                 # What the pages sent held before any compression.
-                metrics["payload_bytes"] = result.normal_pages * PAGE_BYTES
+                metrics["payload_bytes"] = migrated.result.normal_pages * PAGE_BYTES
                 metrics["dst_rss_bytes"] = dst.host_memory().rss
                 if used:
                     verify_pattern(dst, ctx, SCALE_SEED)

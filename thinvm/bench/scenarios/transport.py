@@ -2,13 +2,11 @@
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from thinvm.bench.probe import (
-    VethLink,
-    in_netns,
-    veth_link,
-)
+from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.probe import VethLink, in_netns, veth_link
 from thinvm.bench.types import Metrics, RunContext
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
@@ -102,9 +100,16 @@ class Transport:
         ctx: RunContext,
         caps: dict[str, bool] | None = None,
         params: dict[str, Any] | None = None,
-    ) -> migrate.MigrationResult:
-        """Migrate with MIGRATION_PARAMS and CHANNELS, plus or overridden by `params`."""
+        *,
+        postcopy_after: float | None = None,
+    ) -> "Migrated":
+        """Migrate with MIGRATION_PARAMS and CHANNELS, plus or overridden by `params`.
 
+        Both QEMUs' threads are sampled from just before the `migrate`
+        command: the source's until it reports completion, the
+        destination's until its guest runs (it may still be loading when
+        the source is done).  Waiting for the guest agent comes after.
+        """
         timeline: list[dict[str, Any]] = []
         ctx.note("timeline", timeline)
 
@@ -116,12 +121,44 @@ class Transport:
         # The destination accepts as many multifd channels as it expects,
         # and decodes them with the compression it is told.
         migrate.set_parameters(dst, {k: v for k, v in params.items() if k in DESTINATION_PARAMS})
-        if self.link is None:
-            return migrate.migrate(src, dst, caps=caps, params=params, progress=progress)
-        uri = f"tcp:{self.link.dst_ip}:{MIGRATION_PORT}"
         migrate.set_capabilities(dst, caps or {})
-        dst.qmp("migrate-incoming", uri=uri)
-        result = migrate.migrate_to_uri(src, uri, caps=caps, params=params, progress=progress)
-        migrate.wait_destination_running(dst)
+        uri = self._incoming(dst)
+        with MigrationCpu(src.pid, dst.pid) as cpu:
+            try:
+                result = migrate.migrate_to_uri(
+                    src,
+                    uri,
+                    caps=caps,
+                    params=params,
+                    progress=progress,
+                    postcopy_after=postcopy_after,
+                )
+            except ThinvmError as exc:
+                # The source often only sees a broken pipe; the reason is here.
+                reason = migrate.destination_error(dst)
+                raise ThinvmError(f"{exc}; destination: {reason}" if reason else str(exc)) from exc
+            cpu.src_done()
+            migrate.wait_destination_running(dst)
+            cpu.dst_done()
         dst.wait_agent(timeout=60)
-        return result
+        return Migrated(result, cpu.metrics)
+
+    def _incoming(self, dst: VM) -> str:
+        """Let the destination listen; the URI the source connects to."""
+        if self.link is None:
+            return migrate.start_incoming(dst, migrate.free_port())
+        uri = f"tcp:{self.link.dst_ip}:{MIGRATION_PORT}"
+        dst.qmp("migrate-incoming", uri=uri)
+        return uri
+
+
+@dataclass(frozen=True)
+class Migrated:
+    """One measured migration: QEMU's counters and both sides' CPU seconds."""
+
+    result: migrate.MigrationResult
+    cpu: Metrics
+
+    @property
+    def metrics(self) -> Metrics:
+        return {**migration_metrics(self.result), **self.cpu}
