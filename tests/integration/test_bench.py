@@ -24,7 +24,10 @@ pytestmark = pytest.mark.guest
 def test_inflate_scenario_end_to_end(tmp_path: Path) -> None:
     results, docs = tmp_path / "results", tmp_path / "docs" / "benchmarks.md"
     variants = ["untouched", "touched", "touched-ranges"]
-    options = BenchOptions(size=1 * GiB, runs=1, variants=variants, params={"fraction": "0.75"})
+    # quiet_wait=0: tests run on a busy machine; they check files, not speed.
+    options = BenchOptions(
+        size=1 * GiB, runs=1, variants=variants, params={"fraction": "0.75"}, quiet_wait=0
+    )
     path = runner.run(
         "inflate", options, results_dir=results, docs=docs, line=ProgressLine("[test] ")
     )
@@ -73,6 +76,7 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
         runs=1,
         params={"idle": "0"},
         variants=["stock-best", "thinvm", "legacy"],
+        quiet_wait=0,
     )
     path = runner.run(
         "migrate-idle", options, results_dir=results, docs=None, line=ProgressLine("[test] ")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thinvm.bench.results import NO_CLEAR_DIFFERENCE, verdict
 from thinvm.units import GiB, MiB, format_size
 
 DASH = "\u2013"  # en dash, for ranges
@@ -123,10 +124,18 @@ def format_ratio(value: float | None) -> str:
     return f"{TIMES}{value:.2f}" if value < 100 else f"{TIMES}{value:.0f}"
 
 
-def format_cell(name: str, entry: dict[str, Any] | None, baseline: str | None = None) -> str:
+def format_cell(
+    name: str,
+    entry: dict[str, Any] | None,
+    baseline: str | None = None,
+    reference: dict[str, Any] | None = None,
+) -> str:
     """`median [min-max] xratio` of one variant's metric.
 
     A ratio taken against another variant than the table's baseline says so.
+    Where this variant's min..max range overlaps its `reference`'s (the
+    entry of the variant the ratio is taken against), the ratio is no
+    evidence of a gain or a loss and prints as "no clear difference".
     """
     if entry is None:
         return DASH
@@ -135,6 +144,8 @@ def format_cell(name: str, entry: dict[str, Any] | None, baseline: str | None = 
     if low != high:
         text += f" [{low}{DASH}{high}]"
     ratio = format_ratio(entry.get("ratio"))
+    if ratio and verdict(entry, reference) == NO_CLEAR_DIFFERENCE:
+        ratio = NO_CLEAR_DIFFERENCE
     if ratio and baseline and entry.get("ratio_to") not in (None, baseline):
         ratio += f" vs {entry['ratio_to']}"
     return f"{text} {ratio}" if ratio else text
@@ -161,10 +172,23 @@ def render_table(result: dict[str, Any]) -> str:
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["--:"] * len(variants)) + "|",
     ]
+    summary = result["summary"]
     for name in ordered_metrics(result):
-        cells = [format_cell(name, result["summary"][v].get(name), baseline) for v in variants]
+        cells = [
+            format_cell(name, summary[v].get(name), baseline, _reference(summary, v, name))
+            for v in variants
+        ]
         lines.append(f"| {metric_label(name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _reference(
+    summary: dict[str, dict[str, Any]], variant: str, name: str
+) -> dict[str, Any] | None:
+    """The summary entry `variant`'s ratio for `name` was taken against."""
+    to = summary[variant].get(name, {}).get("ratio_to")
+    reference: dict[str, Any] | None = summary.get(to, {}).get(name) if to else None
+    return reference
 
 
 def _build_line(qemu: dict[str, Any], flavour: str) -> str:
@@ -206,7 +230,22 @@ def load_line(result: dict[str, Any]) -> str:
     )
     if any(others):
         text += f"; other QEMU processes on the host at run start: {min(others)}{DASH}{max(others)}"
-    return text
+    return text + _gate_text(result)
+
+
+def _gate_text(result: dict[str, Any]) -> str:
+    """What the quiet gate saw, for results recorded with one."""
+    gate = result["load"].get("gate")
+    seen = [r["quiet"] for r in result["runs"] if "quiet" in r]
+    if not gate or not seen:
+        return ""
+    waited = [s["waited_s"] for s in seen]
+    quiet = sum(1 for s in seen if s["quiet"])
+    return (
+        f"; quiet gate (1-min load < {gate['max_load']:g}, no other QEMU, wait at most "
+        f"{gate['max_wait_s']:.0f} s): {quiet} of {len(seen)} runs started on a quiet "
+        f"machine, after waiting {min(waited):.0f}{DASH}{max(waited):.0f} s"
+    )
 
 
 def command_line(result: dict[str, Any]) -> str:
@@ -215,8 +254,12 @@ def command_line(result: dict[str, Any]) -> str:
     return " ".join(["thinvm", *args]) if args else f"thinvm bench {result['scenario']}"
 
 
-def render_target(target: dict[str, Any]) -> str:
-    """One target: what it asks, what was measured, met or not."""
+def render_target(target: dict[str, Any], summary: dict[str, Any] | None = None) -> str:
+    """One target: what it asks, what was measured, met or not.
+
+    With the result's `summary`, a target whose two variants' min..max
+    ranges overlap says so: its ratio is then no clear difference.
+    """
     bound = format_ratio(target["at_most"])
     what = (
         f"{target['variant']} / {target['reference']} {metric_label(target['metric'])} "
@@ -224,8 +267,13 @@ def render_target(target: dict[str, Any]) -> str:
     )
     if target.get("ratio") is None:
         return f"- {target['label']}: {what}; not measured in this run."
-    verdict = "**met**" if target["met"] else "**not met**"
-    return f"- {target['label']}: {what}; measured {format_ratio(target['ratio'])}: {verdict}."
+    met = "**met**" if target["met"] else "**not met**"
+    entries = [
+        (summary or {}).get(target[v], {}).get(target["metric"]) for v in ("variant", "reference")
+    ]
+    if entries[0] is not None and verdict(entries[0], entries[1]) == NO_CLEAR_DIFFERENCE:
+        met += f" (the ranges overlap: {NO_CLEAR_DIFFERENCE})"
+    return f"- {target['label']}: {what}; measured {format_ratio(target['ratio'])}: {met}."
 
 
 def render_params(params: dict[str, Any]) -> str:
@@ -252,7 +300,8 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
         f"Median [min{DASH}max] of {result['runs_per_variant']} run(s) per variant, run "
         f"alternately; {TIMES}ratio = median / median of the baseline variant, or of the "
         f"variant named after `vs` (for a metric that variant does not report: of the "
-        f"baseline, else of the first variant that does). "
+        f"baseline, else of the first variant that does); where the two variants' "
+        f"min{DASH}max ranges overlap, the ratio is shown as {NO_CLEAR_DIFFERENCE}. "
         f"Recorded {result['created']} in {result['wall_seconds']:.0f} s by "
         f"`{command_line(result)}`; parameters: {render_params(result['params'])}.",
         "",
@@ -262,7 +311,7 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
     ]
     if result.get("targets"):
         lines += ["", "Targets:", ""]
-        lines += [render_target(t) for t in result["targets"]]
+        lines += [render_target(t, result["summary"]) for t in result["targets"]]
     if failed:
         lines += ["", f"{len(failed)} run(s) failed and are left out of the table:"]
         lines += [f"- {r['variant']} run {r['run']}: {r['error']}" for r in failed]

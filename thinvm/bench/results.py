@@ -29,17 +29,53 @@ STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
 _RESULT_NAME = re.compile(r"^(?P<scenario>[a-z0-9][a-z0-9-]*)-(?P<stamp>\d{8}T\d{6}Z)\.json$")
 
 
-def summarize(values: Sequence[Metric]) -> dict[str, float | int] | None:
-    """Median, min, max and count of the values that were measured (not None)."""
+def summarize(values: Sequence[Metric]) -> dict[str, float | int | None] | None:
+    """Median, min, max, count and spread of the values measured (not None)."""
     measured = [v for v in values if v is not None]
     if not measured:
         return None
-    return {
+    stats: dict[str, float | int | None] = {
         "median": statistics.median(measured),
         "min": min(measured),
         "max": max(measured),
         "n": len(measured),
     }
+    stats["spread"] = spread(stats)
+    return stats
+
+
+def spread(stats: Mapping[str, Any]) -> float | None:
+    """(max - min) / median: how far apart the runs were, relative to their middle.
+
+    None when the median is zero (nothing to be relative to).
+    """
+    if not stats["median"]:
+        return None
+    return round(float(stats["max"] - stats["min"]) / abs(float(stats["median"])), 4)
+
+
+NO_CLEAR_DIFFERENCE = "no clear difference"
+
+
+def ranges_overlap(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether the min..max ranges of two summaries share a value."""
+    return bool(a["min"] <= b["max"] and b["min"] <= a["max"])
+
+
+def verdict(entry: Mapping[str, Any], reference: Mapping[str, Any] | None) -> str | None:
+    """What a ratio may claim: "lower", "higher" or "no clear difference".
+
+    A difference is clear only when every run of one variant lies beyond
+    every run of the other: if the min..max ranges overlap, some run of the
+    slower variant beat some run of the faster, and on a shared machine the
+    medians' ratio is then no evidence of a gain or a loss.  None without a
+    reference.
+    """
+    if reference is None:
+        return None
+    if ranges_overlap(entry, reference):
+        return NO_CLEAR_DIFFERENCE
+    return "lower" if entry["median"] < reference["median"] else "higher"
 
 
 def metric_names(runs: Sequence[dict[str, Any]]) -> list[str]:
@@ -57,13 +93,14 @@ def summarize_runs(
     baseline: str,
     references: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """summary[variant][metric] = {median, min, max, n, ratio, ratio_to}.
+    """summary[variant][metric] = {median, min, max, n, spread, ratio, ratio_to, verdict}.
 
     `ratio` is this variant's median over its reference's median: the
     variant `references` names for it, else the baseline.  For a metric the
     reference does not report (a no-migration baseline has no migration
     time), it is the baseline, then the first variant in run order that
-    does.  A variant that is its own reference has no ratio.
+    does.  A variant that is its own reference has no ratio.  `verdict`
+    says whether the ratio shows a difference at all (see verdict()).
     """
     names = metric_names(runs)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
@@ -88,6 +125,7 @@ def summarize_runs(
                 continue
             entry["ratio"] = ratio(entry["median"], summary[reference][name]["median"])
             entry["ratio_to"] = reference
+            entry["verdict"] = verdict(entry, summary[reference][name])
     return summary
 
 

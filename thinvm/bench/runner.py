@@ -10,7 +10,6 @@ namespaces, memory cgroups) in thinvm.bench.probe.
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 from thinvm.bench import probe, report, scenarios
 from thinvm.bench.environment import guest_environment, host_environment
+from thinvm.bench.quiet import Observation, QuietGate, wait_quiet
 from thinvm.bench.results import (
     DOCS_PATH,
     NOTES_PATH,
@@ -35,6 +35,9 @@ from thinvm.bench.results import (
 from thinvm.bench.types import BenchOptions, Metric, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.progress import ProgressLine
+
+# Outside `thinvm bench` runs (tests) only record what the machine was like.
+RECORD_ONLY = QuietGate(max_wait_s=0)
 
 # What `thinvm bench` (thinvm.cli) uses; the options type and the default
 # paths are re-exported so the CLI needs this one module.
@@ -54,18 +57,17 @@ def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _other_qemu_count() -> int:
-    """QEMU processes on the host at a run's start (none of them ours)."""
-    out = subprocess.run(
-        ["pgrep", "-c", "qemu-system"], capture_output=True, text=True, check=False
-    ).stdout
-    return int(out.strip() or 0)
-
-
 def run_scenario(
-    scenario: Scenario, runs: int, line: ProgressLine | None = None
+    scenario: Scenario,
+    runs: int,
+    line: ProgressLine | None = None,
+    gate: QuietGate = RECORD_ONLY,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run every variant `runs` times, alternately; returns (runs, load record)."""
+    """Run every variant `runs` times, alternately; returns (runs, load record).
+
+    Each run waits for the quiet `gate` first (by default it only records
+    what it sees).
+    """
     order = alternation_order([v.name for v in scenario.variants], runs)
     by_name = {v.name: v for v in scenario.variants}
     line = line or ProgressLine(f"[bench {scenario.name}] ")
@@ -82,7 +84,7 @@ def run_scenario(
                 runs,
                 progress=lambda text, head=head: line.update(f"{head}: {text}"),  # type: ignore[misc]
             )
-            record = _measure(by_name[name], ctx)
+            record = _measure(by_name[name], ctx, _wait_quiet(gate, line, head))
             records.append(record)
             outcome = f"error: {record['error']}" if record.get("error") else "done"
             line.update(f"{head}: {outcome} in {record['seconds']:.0f} s", force=True)
@@ -92,13 +94,25 @@ def run_scenario(
     return records, load
 
 
-def _measure(variant: Variant, ctx: RunContext) -> dict[str, Any]:
+def _wait_quiet(gate: QuietGate, line: ProgressLine, head: str) -> dict[str, Any]:
+    def show(seen: Observation, waited: float) -> None:
+        line.update(
+            f"{head}: waiting for a quiet machine ({waited:.0f}/{gate.max_wait_s:.0f} s): "
+            f"load {seen.load:.2f} (want < {gate.max_load:g}), other QEMUs {seen.other_qemu}",
+            force=True,
+        )
+
+    return wait_quiet(gate, on_wait=show)
+
+
+def _measure(variant: Variant, ctx: RunContext, quiet: dict[str, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {
         "variant": variant.name,
         "run": ctx.run,
         "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "load_start": _loadavg(),
-        "other_qemu": _other_qemu_count(),
+        "other_qemu": quiet["other_qemu"],
+        "quiet": quiet,
     }
     start = time.monotonic()
     try:
@@ -155,7 +169,8 @@ def run(
     scenario = spec.build(options)
     if options.variants:
         scenario.select(options.variants)
-    runs = options.runs or spec.default_runs
+    runs = options.runs or spec.runs
+    gate = QuietGate(max_load=options.quiet_load, max_wait_s=options.quiet_wait)
     created = datetime.now(UTC)
     environment = {
         **host_environment(),
@@ -163,7 +178,8 @@ def run(
     }
     environment["counter"] = probe.counter_backend(options.counter)
     start = time.monotonic()
-    records, load = run_scenario(scenario, runs, line)
+    records, load = run_scenario(scenario, runs, line, gate)
+    load["gate"] = gate.as_record()
     errors = [r["error"] for r in records if r.get("error")]
     if len(errors) == len(records):
         raise ThinvmError(

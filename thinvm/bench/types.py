@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
 from thinvm.vm.machine import BalloonOptions, VMConfig
 from thinvm.vm.stack import Stack
@@ -127,6 +128,10 @@ class BenchOptions:
     accel: str = "auto"
     counter: str = "auto"
     net: str = "loopback"
+    # The quiet gate (thinvm.bench.quiet): each run waits up to quiet_wait
+    # seconds for a 1-minute load below quiet_load and no foreign QEMU.
+    quiet_load: float = QuietGate.max_load
+    quiet_wait: float = QuietGate.max_wait_s
 
     def vm_config(
         self,

@@ -31,6 +31,11 @@ from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.errors import ThinvmError
 from thinvm.units import parse_size
 
+# Recorded results rest on at least this many interleaved runs of each
+# variant (issue 19): fewer show no spread to judge a difference by.
+# --runs may ask for fewer (smoke tests).
+MIN_RUNS = 5
+
 
 @dataclass(frozen=True)
 class ScenarioSpec:
@@ -49,6 +54,11 @@ class ScenarioSpec:
         scenario = self.make(options, params, size)
         scenario.params.setdefault("build", options.build)
         return scenario
+
+    @property
+    def runs(self) -> int:
+        """Runs per variant unless --runs says otherwise."""
+        return max(self.default_runs, MIN_RUNS)
 
     @property
     def command(self) -> str:
@@ -196,7 +206,7 @@ def describe_spec(spec: ScenarioSpec) -> str:
     params = " ".join(f"--param {k}={v}" for k, v in spec.params.items())
     return (
         f"{spec.name:18} {spec.title}\n{'':18} --size {spec.default_size} ({spec.size_help}), "
-        f"--runs {spec.default_runs}" + (f", {params}" if params else "")
+        f"--runs {spec.runs}" + (f", {params}" if params else "")
     )
 
 
