@@ -18,7 +18,7 @@ from thinvm.bench.scenarios import common, save, scale, transport
 from thinvm.bench.types import BenchOptions, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB
-from thinvm.vm.stack import THINVM, Stack
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 WHEN = datetime(2026, 11, 21, 17, 5, 9, tzinfo=UTC)
 
@@ -568,7 +568,7 @@ MIGRATION_SCENARIOS = ("migrate-idle", "migrate-dirty", "migrate-ballooned", "mi
 @pytest.mark.parametrize("name", MIGRATION_SCENARIOS)
 def test_migration_scenarios_are_quoted_against_stock_best(name: str) -> None:
     scenario = bench_scenarios.get(name).build(BenchOptions())
-    names = [v.name for v in scenario.variants]
+    names = scenario.rows
     assert scenario.baseline_name.endswith("stock-best")
     assert any(n.endswith("thinvm") for n in names)
     assert any(n.endswith("legacy") for n in names)  # the reference row stays
@@ -582,31 +582,42 @@ def test_every_migrating_scenario_has_stock_best_and_thinvm() -> None:
         scenario = spec.build(BenchOptions())
         if scenario.main_metric != "migration_ms":
             continue
-        names = {v.name for v in scenario.variants}
+        names = set(scenario.rows)
         assert any(n.endswith("stock-best") for n in names), spec.name
         assert any(n.endswith("thinvm") for n in names), spec.name
 
 
-def test_stock_best_and_thinvm_stacks() -> None:
-    stacks = {name: stack for name, stack, _ in common.MIGRATION_STACKS}
-    best, thinvm = stacks["stock-best"], stacks["thinvm"]
-    assert (best.build, best.driver) == ("stock", "stock")
-    assert best.hint and best.reporting and best.caps == {"multifd": True}
-    assert (thinvm.build, thinvm.driver) == ("patched", "thinvm")
-    assert thinvm.hint and thinvm.reporting and thinvm.ranges
-    assert thinvm.caps == {"sparse-ram": True, "multifd": True}
-    assert stacks["legacy"].caps == {} and not stacks["legacy"].reporting
+def test_stock_candidates_span_hinting_channels_and_legacy() -> None:
+    stock = {c.name: c for c in common.STOCK_CANDIDATES}
+    assert all((c.stack.build, c.stack.driver) == ("stock", "stock") for c in stock.values())
+    # Reporting with and without hinting; multifd with 2 channels, 1, none.
+    shapes = {
+        (c.stack.hint, c.stack.multifd, c.params.get("multifd-channels", 2))
+        for c in stock.values()
+        if c.stack.reporting
+    }
+    assert shapes == {
+        (h, m, n) for h in (True, False) for m, n in ((True, 2), (True, 1), (False, 2))
+    }
+    assert stock["stock-hint-mfd2"].stack == STOCK_BEST
+    assert stock["legacy"].stack.caps == {} and not stock["legacy"].stack.reporting
+    thinvm = {c.name: c.stack for c in common.THINVM_CANDIDATES}
+    assert thinvm["thinvm-hint"] == THINVM and not thinvm["thinvm-no-hint"].hint
+    for stack in thinvm.values():
+        assert (stack.build, stack.driver) == ("patched", "thinvm")
+        assert stack.reporting and stack.ranges
+        assert stack.caps == {"sparse-ram": True, "multifd": True}
 
 
 def test_migrate_idle_uses_an_eighth_and_has_the_3x_target() -> None:
     scenario = bench_scenarios.get("migrate-idle").build(BenchOptions(size=2 * GiB))
     assert scenario.params["used"] == "256.00 MiB"
-    assert [v.name for v in scenario.variants] == [
-        "stock-best",
-        "thinvm",
-        "legacy",
-        "thinvm-stock-driver",
-    ]
+    candidates = [c.name for c in common.MIGRATION_CANDIDATES]
+    assert scenario.rows == ["stock-best", "thinvm", *candidates, "thinvm-stock-driver"]
+    assert scenario.baseline_name == "stock-best"
+    stock_best, thinvm = scenario.best
+    assert stock_best.candidates == tuple(c.name for c in common.STOCK_CANDIDATES)
+    assert thinvm.candidates == ("thinvm-hint", "thinvm-no-hint")
     (target,) = scenario.targets
     assert (target.variant, target.reference, target.metric) == (
         "thinvm",

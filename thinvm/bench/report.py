@@ -163,11 +163,19 @@ def ordered_metrics(result: dict[str, Any]) -> list[str]:
     return [n for n in seen if any(n in v for v in result["summary"].values())]
 
 
+def column_name(variant: dict[str, Any], baseline: str) -> str:
+    """A table column's head: the row's name, the winner of a chosen row, the baseline."""
+    name = str(variant["name"])
+    if "best_of" in variant:
+        name += f" = {variant.get('chosen') or 'none'}"
+    return f"{name} (baseline)" if variant["name"] == baseline else name
+
+
 def render_table(result: dict[str, Any]) -> str:
     """Rows: metrics; columns: variants; cells: median [min-max] xratio."""
     variants = [v["name"] for v in result["variants"]]
     baseline = result["baseline"]
-    header = ["metric"] + [f"{v} (baseline)" if v == baseline else v for v in variants]
+    header = ["metric"] + [column_name(v, baseline) for v in result["variants"]]
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["--:"] * len(variants)) + "|",

@@ -8,6 +8,7 @@ names another), checks the scenario's targets, and reads and writes
 bench/results/SCENARIO-<UTC stamp>.json (raw runs, summary, environment).
 """
 
+import copy
 import json
 import re
 import statistics
@@ -17,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.types import Metric, Scenario, Target
+from thinvm.bench.types import Best, Metric, Scenario, Target
 from thinvm.errors import ThinvmError
 from thinvm.paths import REPO
 
@@ -87,12 +88,15 @@ def metric_names(runs: Sequence[dict[str, Any]]) -> list[str]:
     return list(names)
 
 
+Summary = dict[str, dict[str, dict[str, Any]]]
+
+
 def summarize_runs(
     runs: Sequence[dict[str, Any]],
     variants: Sequence[str],
     baseline: str,
     references: Mapping[str, str] | None = None,
-) -> dict[str, dict[str, dict[str, Any]]]:
+) -> Summary:
     """summary[variant][metric] = {median, min, max, n, spread, ratio, ratio_to, verdict}.
 
     `ratio` is this variant's median over its reference's median: the
@@ -102,8 +106,15 @@ def summarize_runs(
     does.  A variant that is its own reference has no ratio.  `verdict`
     says whether the ratio shows a difference at all (see verdict()).
     """
+    summary = variant_stats(runs, variants)
+    add_ratios(summary, variants, baseline, references or {})
+    return summary
+
+
+def variant_stats(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> Summary:
+    """summary[variant][metric] = {median, min, max, n, spread} over successful runs."""
     names = metric_names(runs)
-    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    summary: Summary = {}
     for variant in variants:
         mine = [r for r in runs if r["variant"] == variant and not r.get("error")]
         summary[variant] = {}
@@ -111,13 +122,21 @@ def summarize_runs(
             stats = summarize([r["metrics"].get(name) for r in mine])
             if stats is not None:
                 summary[variant][name] = dict(stats)
-    fallback = [baseline, *[v for v in variants if v != baseline]]
+    return summary
+
+
+def add_ratios(
+    summary: Summary, rows: Sequence[str], baseline: str, references: Mapping[str, str]
+) -> None:
+    """Give every entry its ratio, ratio_to and verdict (see summarize_runs)."""
+    fallback = [baseline, *[v for v in rows if v != baseline]]
+    names = {name: None for row in rows for name in summary[row]}
     for name in names:
-        for variant in variants:
+        for variant in rows:
             entry = summary[variant].get(name)
             if entry is None:
                 continue
-            own = (references or {}).get(variant)
+            own = references.get(variant)
             order = [own, *fallback] if own is not None and own in summary else fallback
             reference = next((v for v in order if name in summary[v]), None)
             if reference is None or variant == reference:
@@ -126,7 +145,31 @@ def summarize_runs(
             entry["ratio"] = ratio(entry["median"], summary[reference][name]["median"])
             entry["ratio_to"] = reference
             entry["verdict"] = verdict(entry, summary[reference][name])
-    return summary
+
+
+def choose_best(summary: Summary, candidates: Sequence[str], metric: str) -> str | None:
+    """The candidate with the lowest median `metric`; the first listed on a tie.
+
+    Candidates without a successful run (no `metric`) cannot win; None if
+    none has one.
+    """
+    measured = [c for c in candidates if metric in summary.get(c, {})]
+    if not measured:
+        return None
+    return min(measured, key=lambda c: float(summary[c][metric]["median"]))
+
+
+def add_best_rows(summary: Summary, best: Sequence[Best], metric: str) -> dict[str, str | None]:
+    """Add each chosen row to `summary` as a copy of its winner's figures.
+
+    Returns row -> winning candidate (None: no candidate succeeded; the row
+    is then empty).
+    """
+    chosen: dict[str, str | None] = {}
+    for row in best:
+        winner = chosen[row.name] = choose_best(summary, row.candidates, metric)
+        summary[row.name] = copy.deepcopy(summary[winner]) if winner else {}
+    return chosen
 
 
 def evaluate_targets(
@@ -228,9 +271,11 @@ def build_result(
     wall_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """The results document (the JSON written to bench/results/)."""
-    variants = [v.name for v in scenario.variants]
     references = scenario.references
-    summary = summarize_runs(runs, variants, scenario.baseline_name, references)
+    metric = scenario.choice_metric
+    summary = variant_stats(runs, [v.name for v in scenario.variants])
+    chosen = add_best_rows(summary, scenario.best, metric)
+    add_ratios(summary, scenario.rows, scenario.baseline_name, references)
     return {
         "schema": SCHEMA_VERSION,
         "scenario": scenario.name,
@@ -240,8 +285,11 @@ def build_result(
         "command": list(command),
         "params": scenario.params,
         "variants": [
-            {"name": v.name, "description": v.description, "reference": references.get(v.name)}
-            for v in scenario.variants
+            *(_best_row(b, chosen[b.name], metric, references) for b in scenario.best),
+            *(
+                {"name": v.name, "description": v.description, "reference": references.get(v.name)}
+                for v in scenario.variants
+            ),
         ],
         "baseline": scenario.baseline_name,
         "main_metric": scenario.main_metric,
@@ -253,6 +301,24 @@ def build_result(
         "environment": environment,
         "load": load,
         "wall_seconds": round(wall_seconds, 1),
+    }
+
+
+def _best_row(
+    best: Best, winner: str | None, metric: str, references: Mapping[str, str]
+) -> dict[str, Any]:
+    """A chosen row's entry in the result's variants: what it was chosen from, and how."""
+    chosen = winner or "none (no candidate succeeded)"
+    return {
+        "name": best.name,
+        "description": (
+            f"{best.description + '; ' if best.description else ''}the best of "
+            f"{', '.join(best.candidates)} by median {metric} (lowest wins): {chosen}"
+        ),
+        "reference": references.get(best.name),
+        "best_of": list(best.candidates),
+        "best_metric": metric,
+        "chosen": winner,
     }
 
 

@@ -9,7 +9,7 @@ nothing else of the bench, so every other module can import it.
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from thinvm.bench.quiet import QuietGate
@@ -72,6 +72,23 @@ class Target:
     at_most: float
 
 
+@dataclass(frozen=True)
+class Best:
+    """A row that carries the figures of the best of several measured variants.
+
+    "stock-best" is not one configuration chosen beforehand but whichever
+    stock configuration did best in the same run (issue 19): the harness
+    picks, among `candidates` that succeeded, the one with the lowest median
+    of the scenario's `best_metric`, and copies its figures into this row.
+    """
+
+    name: str
+    candidates: tuple[str, ...]
+    description: str = ""
+    # The row this one's ratios are taken against; default: the baseline.
+    reference: str | None = None
+
+
 @dataclass
 class Scenario:
     name: str
@@ -80,37 +97,64 @@ class Scenario:
     variants: list[Variant]
     main_metric: str
     second_metric: str | None = None
-    baseline: str | None = None  # default: the first variant
+    baseline: str | None = None  # default: the first row
     params: dict[str, Any] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
     # Entered once around all runs (e.g. a veth link, a memory cgroup).
     context: Callable[[], AbstractContextManager[Any]] | None = None
+    # Rows chosen from the measured variants, shown before them.
+    best: list[Best] = field(default_factory=list)
+    best_metric: str | None = None  # default: main_metric; lower wins
+
+    @property
+    def rows(self) -> list[str]:
+        """Every row of the results: the chosen ones, then the measured variants."""
+        return [b.name for b in self.best] + [v.name for v in self.variants]
 
     @property
     def baseline_name(self) -> str:
-        return self.baseline or self.variants[0].name
+        return self.baseline or self.rows[0]
+
+    @property
+    def choice_metric(self) -> str:
+        return self.best_metric or self.main_metric
 
     @property
     def references(self) -> dict[str, str]:
-        """Variant -> the variant its ratios are taken against, where that was run."""
-        names = {v.name for v in self.variants}
+        """Row -> the row its ratios are taken against, where that exists."""
+        names = set(self.rows)
+        pairs = [(v.name, v.reference) for v in self.variants]
+        pairs += [(b.name, b.reference) for b in self.best]
         return {
-            v.name: v.reference
-            for v in self.variants
-            if v.reference is not None and v.reference in names and v.reference != v.name
+            name: reference
+            for name, reference in pairs
+            if reference is not None and reference in names and reference != name
         }
 
     def select(self, names: Sequence[str]) -> None:
-        """Keep only the named variants, in the order given."""
+        """Keep only the named variants, in the order given.
+
+        Naming a chosen row (stock-best) keeps all its candidates; a chosen
+        row stays if any of its candidates does, chosen among those.
+        """
         known = {v.name: v for v in self.variants}
-        unknown = [n for n in names if n not in known]
+        groups = {b.name: b.candidates for b in self.best}
+        unknown = [n for n in names if n not in known and n not in groups]
         if unknown:
             raise ThinvmError(
                 f"scenario {self.name} has no variant {', '.join(unknown)}: "
-                f"choose from {', '.join(known)}"
+                f"choose from {', '.join([*groups, *known])}"
             )
-        self.variants = [known[n] for n in names]
-        if self.baseline not in names:
+        wanted: dict[str, None] = {}
+        for name in names:
+            wanted.update(dict.fromkeys(groups.get(name, (name,))))
+        self.variants = [known[n] for n in wanted]
+        self.best = [
+            replace(b, candidates=tuple(c for c in b.candidates if c in wanted))
+            for b in self.best
+            if any(c in wanted for c in b.candidates)
+        ]
+        if self.baseline not in self.rows:
             self.baseline = None
 
 

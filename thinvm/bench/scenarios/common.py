@@ -3,9 +3,10 @@
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from thinvm.bench.types import Metrics, RunContext
+from thinvm.bench.types import Best, Metrics, RunContext, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
 from thinvm.host.memory import host_meminfo
@@ -18,23 +19,101 @@ TOUCH_LEAVE = 96 * MiB  # free memory a "touch most of RAM" leaves the guest
 
 LEGACY = Stack()  # stock QEMU and driver, no extras
 
-# What every migration scenario compares (issue 13): thinvm against the
-# best stock setup (the baseline of the ratios); legacy as a reference row.
-MIGRATION_STACKS: list[tuple[str, Stack, str]] = [
-    (
-        "stock-best",
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration a migration scenario measures: a stack, and migration
+    parameters on top of the usual ones (transport.MIGRATION_PARAMS, CHANNELS)."""
+
+    name: str
+    stack: Stack
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+ONE_CHANNEL: dict[str, Any] = {"multifd-channels": 1}
+_STOCK = "stock QEMU and driver"
+_THINVM = "patched QEMU, our driver"
+
+# What every migration scenario compares (issue 19): the best stock setup is
+# not decided beforehand but measured in the same run, among these.  Free
+# page hinting may cost more than it saves once reporting runs, and one
+# multifd channel may beat two on 2 CPUs; legacy is also a column of its own.
+STOCK_CANDIDATES: list[Candidate] = [
+    Candidate(
+        "stock-hint-mfd2", STOCK_BEST, f"{_STOCK}; hinting + reporting, multifd (2 channels)"
+    ),
+    Candidate(
+        "stock-mfd2", replace(STOCK_BEST, hint=False), f"{_STOCK}; reporting, multifd (2 channels)"
+    ),
+    Candidate(
+        "stock-hint-mfd1",
         STOCK_BEST,
-        "stock QEMU and driver; free page hinting + reporting, multifd "
-        "(2 channels, its zero-page detection)",
+        f"{_STOCK}; hinting + reporting, multifd (1 channel)",
+        ONE_CHANNEL,
     ),
-    (
-        "thinvm",
-        THINVM,
-        "patched QEMU, our driver; hinting + reporting + page ranges, sparse-ram, "
-        "multifd (2 channels)",
+    Candidate(
+        "stock-mfd1",
+        replace(STOCK_BEST, hint=False),
+        f"{_STOCK}; reporting, multifd (1 channel)",
+        ONE_CHANNEL,
     ),
-    ("legacy", LEGACY, "stock QEMU and driver, no extras, one channel (reference)"),
+    Candidate(
+        "stock-hint",
+        replace(STOCK_BEST, multifd=False),
+        f"{_STOCK}; hinting + reporting, one stream",
+    ),
+    Candidate("stock-reporting", Stack(reporting=True), f"{_STOCK}; reporting, one stream"),
+    Candidate("legacy", LEGACY, f"{_STOCK}, no extras, one stream"),
 ]
+# thinvm's own default is likewise the measured best of its options.
+THINVM_CANDIDATES: list[Candidate] = [
+    Candidate(
+        "thinvm-hint",
+        THINVM,
+        f"{_THINVM}; hinting + reporting + page ranges, sparse-ram, multifd (2 channels)",
+    ),
+    Candidate(
+        "thinvm-no-hint",
+        replace(THINVM, hint=False),
+        f"{_THINVM}; reporting + page ranges, sparse-ram, multifd (2 channels)",
+    ),
+]
+MIGRATION_CANDIDATES = STOCK_CANDIDATES + THINVM_CANDIDATES
+
+
+def migration_rows(
+    make: Callable[[Candidate], Callable[[RunContext], Metrics]],
+    *,
+    prefix: str = "",
+    what: str = "",
+    reference: str | None = None,
+) -> tuple[list[Variant], list[Best]]:
+    """Every candidate as a variant named `prefix` + its name, and the chosen
+    rows `prefix`stock-best and `prefix`thinvm.
+
+    `what` opens each description; `reference` is the row the candidates'
+    and thinvm's ratios are taken against (default: the baseline), and
+    stock-best's is always the baseline.
+    """
+    variants = [
+        Variant(prefix + c.name, make(c), what + c.description, reference=reference)
+        for c in MIGRATION_CANDIDATES
+    ]
+    best = [
+        Best(
+            f"{prefix}stock-best",
+            tuple(prefix + c.name for c in STOCK_CANDIDATES),
+            f"{what}the best stock configuration measured",
+        ),
+        Best(
+            f"{prefix}thinvm",
+            tuple(prefix + c.name for c in THINVM_CANDIDATES),
+            f"{what}thinvm's best option measured",
+            reference=reference,
+        ),
+    ]
+    return variants, best
 
 
 # thinvm's QEMU side with the guest kernel's own balloon driver.

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from thinvm.bench.scenarios.common import (
-    MIGRATION_STACKS,
+    migration_rows,
 )
 from thinvm.bench.scenarios.params import (
     float_param,
@@ -48,7 +48,9 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
     limit = {"downtime-limit": int_param(params, "downtime_limit_ms")}
     transport = Transport(opts.net)
 
-    def variant(migrating: bool, stack: Stack) -> Callable[[RunContext], Metrics]:
+    def variant(
+        migrating: bool, stack: Stack, extra: dict[str, Any] | None = None
+    ) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             config = opts.vm_config("b-dirty", size, stack)
             metrics: Metrics = {}
@@ -64,7 +66,9 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
                     out = _wait_dirty_result(src, seconds + 120)
                 else:
                     with transport.start(config, incoming=True) as dst:
-                        migrated = transport.migrate(src, dst, ctx, stack.caps, limit)
+                        migrated = transport.migrate(
+                            src, dst, ctx, stack.caps, {**limit, **(extra or {})}
+                        )
                         metrics.update(migrated.metrics)
                         ctx.step("waiting for the workload to finish on the destination")
                         out = _wait_dirty_result(dst, seconds + 120)
@@ -75,6 +79,7 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
 
         return run
 
+    variants, best = migration_rows(lambda c: variant(True, c.stack, c.params))
     return Scenario(
         name="migrate-dirty",
         title="migration of a guest dirtying memory at a fixed rate",
@@ -91,9 +96,15 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
             "downtime itself."
         ),
         variants=[
-            *(Variant(name, variant(True, stack), text) for name, stack, text in MIGRATION_STACKS),
-            Variant("no-migration", variant(False, STOCK_BEST), "the workload alone (stock-best)"),
+            *variants,
+            Variant(
+                "no-migration",
+                variant(False, STOCK_BEST),
+                "the workload alone (stock-hint-mfd2's stack)",
+            ),
         ],
+        best=best,
+        baseline="stock-best",
         main_metric="migration_ms",
         second_metric="achieved_mibps",
         params={

@@ -2,12 +2,14 @@
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from thinvm.bench.scenarios.common import (
-    MIGRATION_STACKS,
     THINVM_STOCK_DRIVER,
     TOUCH_LEAVE,
+    Candidate,
     hold_then_idle,
+    migration_rows,
     verify_pattern,
 )
 from thinvm.bench.scenarios.params import (
@@ -20,7 +22,15 @@ from thinvm.bench.scenarios.transport import (
     MIGRATION_PARAMS,
     Transport,
 )
-from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
+from thinvm.bench.types import (
+    BenchOptions,
+    Best,
+    Metrics,
+    RunContext,
+    Scenario,
+    Target,
+    Variant,
+)
 from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
@@ -34,8 +44,10 @@ def idle_migration(
     transport: Transport,
     idle: float,
     used: int = 0,
+    params: dict[str, Any] | None = None,
 ) -> Callable[[RunContext], Metrics]:
-    """Boot, hold `used` bytes of data, touch the rest of RAM and free it, idle, migrate.
+    """Boot, hold `used` bytes of data, touch the rest of RAM and free it, idle, migrate
+    (with `params` on top of the usual ones).
 
     The destination shares the config and verifies the data.
     """
@@ -45,7 +57,7 @@ def idle_migration(
         with transport.start(config) as src:
             metrics = hold_then_idle(ctx, src, stack, used, IDLE_SEED, idle)
             with transport.start(config, incoming=True) as dst:
-                migrated = transport.migrate(src, dst, ctx, stack.caps)
+                migrated = transport.migrate(src, dst, ctx, stack.caps, params)
                 dst_mem = dst.host_memory()
                 if used:
                     verify_pattern(dst, ctx, IDLE_SEED)
@@ -59,6 +71,11 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
     fraction = used_fraction(params)
     used = int(size * fraction) // MiB * MiB
     transport = Transport(opts.net)
+
+    def make(c: Candidate) -> Callable[[RunContext], Metrics]:
+        return idle_migration(opts, size, c.stack, transport, idle, used, c.params)
+
+    variants, best = migration_rows(make)
     return Scenario(
         name="migrate-idle",
         title="idle guest migration: thinvm vs the best stock setup",
@@ -77,10 +94,7 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
             "destination host had to allocate."
         ),
         variants=[
-            *(
-                Variant(name, idle_migration(opts, size, stack, transport, idle, used), text)
-                for name, stack, text in MIGRATION_STACKS
-            ),
+            *variants,
             # Diagnostic: thinvm's QEMU and sparse-ram with the guest's own
             # driver, to tell a slow patched path from our driver's hinting.
             Variant(
@@ -90,6 +104,8 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
                 "driver with hinting + reporting, no page ranges (diagnostic)",
             ),
         ],
+        best=best,
+        baseline="stock-best",
         main_metric="migration_ms",
         second_metric="transferred_bytes",
         params={
@@ -156,33 +172,25 @@ def make_migrate_hinting(opts: BenchOptions, params: dict[str, str], size: int) 
     )
 
 
-# migrate-postcopy: an idle guest migrated in postcopy, thinvm against stock.
-#
-# Postcopy hands the guest to the destination at once and pulls the rest of
-# its memory afterwards.  In QEMU 10.0 it cannot use multifd, and stock QEMU
-# keeps free page hinting off under postcopy (the balloon device's rule), so
-# the best stock postcopy setup is free page reporting alone.  thinvm adds
-# sparse-ram, which postcopy accepts since patch 0012: the destination maps
-# the memory the source left out as zero at the switchover.  The best stock
-# precopy setup (stock-best) runs alongside as the reference users compare
-
-
 def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = float_param(params, "idle")
     rate = params["rate"]
     used = used_bytes(params, size)
     loopback, veth = Transport("loopback"), Transport("veth", rate)
-    variants = [
-        Variant(
-            f"{t.kind}-{name}",
-            idle_migration(opts, size, stack, t, idle, used),
-            f"{text}; over {t.kind}",
-            # Over veth, thinvm and legacy against stock-best over veth.
-            reference="veth-stock-best" if t.kind == "veth" and name != "stock-best" else None,
+    variants: list[Variant] = []
+    best: list[Best] = []
+    for t in (loopback, veth):
+
+        def make(c: Candidate, t: Transport = t) -> Callable[[RunContext], Metrics]:
+            return idle_migration(opts, size, c.stack, t, idle, used, c.params)
+
+        # Over veth, everything but stock-best against stock-best over veth.
+        reference = "veth-stock-best" if t.kind == "veth" else None
+        rows = migration_rows(
+            make, prefix=f"{t.kind}-", what=f"over {t.kind}: ", reference=reference
         )
-        for t in (loopback, veth)
-        for name, stack, text in MIGRATION_STACKS
-    ]
+        variants += rows[0]
+        best += rows[1]
     return Scenario(
         name="network",
         title=f"idle guest migration over loopback vs a {rate} veth link",
@@ -192,10 +200,12 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
             "pair between two network namespaces, "
             f"source in one and destination in the other, each end shaped to {rate} with a "
             "tc token bucket (the seeds' network). Shows whether the transport or the "
-            "host CPU limits migration here. Over veth, thinvm and legacy are compared "
-            "with stock-best over veth; veth-stock-best with loopback-stock-best."
+            "host CPU limits migration here. Over veth, every row is compared with "
+            "stock-best over veth; veth-stock-best with loopback-stock-best."
         ),
         variants=variants,
+        best=best,
+        baseline="loopback-stock-best",
         main_metric="migration_ms",
         second_metric="transferred_bytes",
         params={

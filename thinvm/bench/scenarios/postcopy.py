@@ -18,6 +18,15 @@ from thinvm.units import format_size
 from thinvm.vm import migrate
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
+# Postcopy hands the guest to the destination at once and pulls the rest of
+# its memory afterwards.  In QEMU 10.0 it cannot use multifd, and stock QEMU
+# keeps free page hinting off under postcopy (the balloon device's rule), so
+# the best stock postcopy setup is free page reporting alone.  thinvm adds
+# sparse-ram, which postcopy accepts since patch 0012: the destination maps
+# the memory the source left out as zero at the switchover.  The best stock
+# precopy setup (stock-best) runs alongside as the reference users compare
+# with.
+
 POSTCOPY_SEED = 12
 # Switch as soon as the migration is under way: postcopy's point is that
 # the destination runs the guest before the memory has moved.
