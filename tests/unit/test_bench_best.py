@@ -183,3 +183,13 @@ def test_recorded_results_still_load_and_render() -> None:
     assert any(r["scenario"] == "migrate-idle" for r in results)
     text = report.render_document(results, bench_scenarios.catalogue(), image_dir="x")
     assert "## migrate-idle" in text
+
+
+def test_a_section_says_when_it_was_recorded_before_the_rules() -> None:
+    old = {**_result(), "load": {}, "runs_per_variant": 3, "environment": {}, "wall_seconds": 1}
+    old["variants"] = [v for v in old["variants"] if "best_of" not in v]
+    text = report.render_section(old, "x")
+    assert "Recorded before the rules" in text and "fixed configurations" in text
+    new = {**_result(), "load": {"gate": {"max_load": 1.0, "max_wait_s": 600.0}}}
+    new.update(runs_per_variant=5, wall_seconds=1)
+    assert "Recorded before the rules" not in report.render_section(new, "x")

@@ -1,5 +1,6 @@
 """Idle guests migrating: migrate-idle, migrate-hinting and network."""
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -179,15 +180,18 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     loopback, veth = Transport("loopback"), Transport("veth", rate)
     variants: list[Variant] = []
     best: list[Best] = []
+
+    def make(t: Transport, c: Candidate) -> Callable[[RunContext], Metrics]:
+        return idle_migration(opts, size, c.stack, t, idle, used, c.params)
+
     for t in (loopback, veth):
-
-        def make(c: Candidate, t: Transport = t) -> Callable[[RunContext], Metrics]:
-            return idle_migration(opts, size, c.stack, t, idle, used, c.params)
-
         # Over veth, everything but stock-best against stock-best over veth.
         reference = "veth-stock-best" if t.kind == "veth" else None
         rows = migration_rows(
-            make, prefix=f"{t.kind}-", what=f"over {t.kind}: ", reference=reference
+            functools.partial(make, t),
+            prefix=f"{t.kind}-",
+            what=f"over {t.kind}: ",
+            reference=reference,
         )
         variants += rows[0]
         best += rows[1]

@@ -1,5 +1,6 @@
 """Freshly booted guests of growing size: migrate-scale and migrate-compress."""
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,7 +118,7 @@ def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) ->
         # Each size's rows against stock-best of that size; its stock-best
         # against the first size's (growth).
         rows = migration_rows(
-            lambda c, s=s: variant(s, c),  # type: ignore[misc]
+            functools.partial(variant, s),
             prefix=f"{_size_name(s)}-",
             what=f"{format_size(s)} guest; ",
             reference=f"{_size_name(s)}-stock-best",
