@@ -51,20 +51,30 @@ def test_thread_cpu_lists_every_thread(tmp_path: Path) -> None:
     assert procs.thread_cpu(99, tmp_path) == {}
 
 
+def _process_stat(root: Path, pid: int, ticks: int) -> None:
+    (root / str(pid)).mkdir(parents=True, exist_ok=True)
+    (root / str(pid) / "stat").write_text(_task_stat(pid, "qemu-system-x86", ticks, 0))
+
+
 def test_sampler_keeps_threads_that_exit_and_counts_new_ones_from_zero(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 1, {1: ("main", 100, 0), 2: ("CPU 0/TCG", 50, 0)})
+    _process_stat(tmp_path, 1, 150)
     sampler = ThreadCpuSampler(1, interval=3600, proc=tmp_path).start()
     # A multifd channel is born, works, is sampled, then exits before the end.
     _fake_proc(tmp_path, 1, {1: ("main", 110, 0), 3: ("mig/src/send_0", 30, 10)})
     sampler._sample()
     _drop(tmp_path, 1, 3)
     _fake_proc(tmp_path, 1, {1: ("main", 120, 0), 2: ("CPU 0/TCG", 60, 5)})
+    # The process's own count also holds the channel's 6 ticks after its last sample.
+    _process_stat(tmp_path, 1, 150 + 20 + 15 + 46)
     used = sampler.stop()
     assert used == {
         1: ThreadCpu("main", 20 / TICKS),
         2: ThreadCpu("CPU 0/TCG", 15 / TICKS),
         3: ThreadCpu("mig/src/send_0", 40 / TICKS),
     }
+    assert sampler.exited == {3}
+    assert sampler.process_cpu_s == pytest.approx(81 / TICKS)
 
 
 def test_sampler_samples_in_the_background(tmp_path: Path) -> None:
@@ -134,6 +144,25 @@ def test_cpu_metrics_sum_by_kind() -> None:
         "src_other_cpu_s": 0.5,
     }
     assert list(cpu.cpu_metrics("dst", {})) == cpu.metric_names("dst")
+
+
+def test_what_exited_threads_used_after_their_last_sample_goes_to_their_kind() -> None:
+    used = {
+        1: ThreadCpu("qemu-system-x86", 0.5),
+        3: ThreadCpu("mig/src/send_0", 0.25),
+        4: ThreadCpu("mig/src/main", 0.75),
+    }
+    # The process used 2.0 s: 0.5 s more than its threads showed, all in the
+    # multifd channel and the migration thread, which exited (1:3 seen).
+    metrics = cpu.cpu_metrics("src", used, process_s=2.0, exited={3, 4})
+    assert metrics["src_cpu_s"] == 2.0
+    assert metrics["src_multifd_cpu_s"] == 0.375
+    assert metrics["src_migration_cpu_s"] == 1.125
+    assert metrics["src_other_cpu_s"] == 0.5
+    # No thread exited: the rest (tick rounding) is other's.
+    assert cpu.cpu_metrics("dst", used, process_s=1.6)["dst_other_cpu_s"] == 0.6
+    # Less in the process than in its threads (read at another instant): no residue.
+    assert cpu.cpu_metrics("dst", used, process_s=1.0)["dst_cpu_s"] == 1.5
 
 
 def test_migration_cpu_reports_both_sides_of_this_process() -> None:

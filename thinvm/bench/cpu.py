@@ -15,7 +15,7 @@ RCU and worker threads.
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import TracebackType
 
 from thinvm.bench.types import Metrics
@@ -34,14 +34,41 @@ def thread_kind(name: str) -> str:
     return next((kind for kind, pattern in _PATTERNS if pattern.match(name)), "other")
 
 
-def cpu_metrics(side: str, used: Mapping[int, ThreadCpu]) -> Metrics:
-    """{side}_cpu_s and {side}_{kind}_cpu_s of every kind, in seconds."""
+def cpu_metrics(
+    side: str,
+    used: Mapping[int, ThreadCpu],
+    process_s: float | None = None,
+    exited: Collection[int] = (),
+) -> Metrics:
+    """{side}_cpu_s and {side}_{kind}_cpu_s of every kind, in seconds.
+
+    `process_s` is the whole process's CPU time over the same span, which
+    also holds what `exited` threads used after their last sample: that
+    residue goes to the kinds of the threads that exited, in proportion to
+    what was seen of them (to other if none was), so that the kinds add up
+    to the process's total.
+    """
     totals = dict.fromkeys(KINDS, 0.0)
     for thread in used.values():
         totals[thread_kind(thread.name)] += thread.cpu_s
+    residue = max(0.0, (process_s or 0.0) - sum(totals.values()))
+    for kind, share in _exited_shares(used, exited).items():
+        totals[kind] += residue * share
     metrics: Metrics = {f"{side}_cpu_s": round(sum(totals.values()), 3)}
     metrics.update({f"{side}_{kind}_cpu_s": round(totals[kind], 3) for kind in KINDS})
     return metrics
+
+
+def _exited_shares(used: Mapping[int, ThreadCpu], exited: Collection[int]) -> dict[str, float]:
+    """Kind -> its share of the time seen of the threads that exited."""
+    seen = [used[tid] for tid in exited if tid in used]
+    total = sum(t.cpu_s for t in seen)
+    if not seen or total == 0:
+        return {"other": 1.0}
+    shares = dict.fromkeys(KINDS, 0.0)
+    for thread in seen:
+        shares[thread_kind(thread.name)] += thread.cpu_s / total
+    return shares
 
 
 def metric_names(side: str) -> list[str]:
@@ -80,7 +107,8 @@ class MigrationCpu:
     def _done(self, side: str) -> None:
         sampler = self._samplers.pop(side, None)
         if sampler is not None:
-            self.metrics.update(cpu_metrics(side, sampler.stop()))
+            used = sampler.stop()
+            self.metrics.update(cpu_metrics(side, used, sampler.process_cpu_s, sampler.exited))
 
     def __exit__(
         self,

@@ -428,9 +428,12 @@ recorded result follows these rules (issue 19):
   `src_other_cpu_s` (main loop and the rest), and the same for `dst_`. They
   come from `/proc/PID/task/TID/stat` (user + system time, 10 ms ticks),
   sampled every 100 ms so that threads that exit during the migration still
-  count. On the destination, precopy loads the main stream in the main
-  loop, so its cost shows in `dst_other_cpu_s`. Bytes sent and pages sent,
-  read as zero and skipped unread come from `query-migrate`.
+  count; the totals are the whole process's (`/proc/PID/stat`, which keeps
+  the time of exited threads), and what an exited thread used after its last
+  sample goes to the kinds of the threads that exited. On the destination,
+  precopy loads the main stream in the main loop, so its cost shows in
+  `dst_other_cpu_s`. Bytes sent and pages sent, read as zero and skipped
+  unread come from `query-migrate`.
 
 Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
 [--variants a,b] [--param key=value]`; `thinvm bench --list` shows every

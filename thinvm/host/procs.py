@@ -95,6 +95,19 @@ def parse_task_stat(stat: str, ticks_per_s: int) -> ThreadCpu:
     return ThreadCpu(head.partition("(")[2], ticks / ticks_per_s)
 
 
+def process_cpu(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """CPU seconds of a whole process so far, None once it is gone.
+
+    Unlike the sum over its live threads, this includes the threads that
+    have exited: the kernel adds their time to the process's when they go.
+    """
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return parse_task_stat(stat, os.sysconf("SC_CLK_TCK")).cpu_s
+
+
 def thread_cpu(pid: int, proc: Path = Path("/proc")) -> dict[int, ThreadCpu]:
     """CPU time of every live thread of `pid` by thread id; {} once it is gone.
 
@@ -117,9 +130,11 @@ class ThreadCpuSampler:
 
     Threads that exit in between (a migration's multifd channels do, as it
     completes) still count: a background thread samples every `interval`
-    seconds and keeps each thread's last value, so at most one interval of
-    an exited thread's time is lost.  Threads born in between count from
-    zero.  Use as a context manager, or call start() and stop().
+    seconds and keeps each thread's last value.  What an exited thread used
+    after its last sample is not in used(), but it is in `process_cpu_s`,
+    the whole process's time over the same span; `exited` names the
+    threads that went.  Threads born in between count from zero.  Use as a
+    context manager, or call start() and stop().
     """
 
     def __init__(self, pid: int, interval: float = 0.1, proc: Path = Path("/proc")) -> None:
@@ -129,8 +144,12 @@ class ThreadCpuSampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._process_before: float | None = None
+        self.process_cpu_s: float | None = None  # set by stop()
+        self.exited: set[int] = set()  # set by stop()
 
     def start(self) -> "ThreadCpuSampler":
+        self._process_before = process_cpu(self.pid, self.proc)
         self._before = thread_cpu(self.pid, self.proc)
         self._last = dict(self._before)
         self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
@@ -143,7 +162,11 @@ class ThreadCpuSampler:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._sample()
+        live = self._sample()
+        after = process_cpu(self.pid, self.proc)
+        if after is not None and self._process_before is not None:
+            self.process_cpu_s = round(after - self._process_before, 6)
+        self.exited = set(self._last) - set(live)
         return self.used()
 
     def used(self) -> dict[int, ThreadCpu]:
@@ -159,10 +182,11 @@ class ThreadCpuSampler:
         before = self._before.get(tid)
         return before.cpu_s if before is not None else 0.0
 
-    def _sample(self) -> None:
+    def _sample(self) -> dict[int, ThreadCpu]:
         now = thread_cpu(self.pid, self.proc)
         with self._lock:
             self._last.update(now)
+        return now
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
