@@ -285,9 +285,11 @@ static const char *pressure(const struct sample *prev,
 {
 	long long window = now->t_us - quiet->t_us;
 
-	if (now->refaults - prev->refaults > REFAULT_LIMIT_PAGES)
+	/* A failed read leaves a counter at 0: never a reason to stop. */
+	if (now->refaults > prev->refaults &&
+	    now->refaults - prev->refaults > REFAULT_LIMIT_PAGES)
 		return "refaults";
-	if (rc.psi && window > 0 &&
+	if (rc.psi && window > 0 && now->stall_us > quiet->stall_us &&
 	    (now->stall_us - quiet->stall_us) * 1000 >
 	    (uint64_t)window * STALL_LIMIT_PERMILLE)
 		return "pressure";
@@ -701,7 +703,8 @@ int reclaim_trim(uint64_t max_bytes, unsigned int timeout_ms, char *out,
 		",\"cache_after\":%" PRIu64 ",\"free_before\":%" PRIu64
 		",\"free_after\":%" PRIu64 ",",
 		t.reclaimed, t.steps, t.backoffs,
-		end.refaults - t.refaults_before,
+		end.refaults > t.refaults_before ?
+			end.refaults - t.refaults_before : 0,
 		compacted ? "true" : "false", t.stop,
 		(mono_us() - start) / 1000, floor_bytes(&after),
 		before.cached, after.cached, before.free, after.free);
