@@ -315,8 +315,8 @@ static uint64_t room(const struct meminfo *m)
 }
 
 /*
- * Ask the kernel for `bytes`; returns what was reclaimed by the pgsteal
- * counters.  memory.reclaim fails with EAGAIN when it got less than
+ * Ask the kernel for `bytes`; returns what the pgsteal counters say was
+ * reclaimed.  memory.reclaim fails with EAGAIN when it got less than
  * asked, which is still progress; any other error disables us.
  */
 static uint64_t reclaim_bytes(uint64_t bytes)
@@ -340,10 +340,12 @@ static uint64_t reclaim_bytes(uint64_t bytes)
 	}
 	if (steal1 < steal0)
 		return 0;
-	/* Others may reclaim meanwhile; never claim more than we asked. */
+	/*
+	 * Not capped at `bytes`: the kernel overshoots (it reclaims in
+	 * batches, memcg by memcg).  kswapd may add to the count meanwhile,
+	 * but then memory is short and the next check backs off.
+	 */
 	steal1 = (steal1 - steal0) * PAGE_BYTES;
-	if (steal1 > bytes)
-		steal1 = bytes;
 	rc.c.reclaimed_bytes += steal1;
 	return steal1;
 }
