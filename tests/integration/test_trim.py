@@ -32,6 +32,7 @@ pytestmark = pytest.mark.guest
 
 DISK = 640 * MiB  # read once: cold
 HOT = 64 * MiB  # read again and again: the working set
+COLD_AGAIN = 192 * MiB  # read once more, for the background reclaimer
 PATTERN = 32 * MiB  # anonymous data that must arrive intact
 SEED = 2020
 PAGE = 4096
@@ -58,10 +59,10 @@ def page_cache(agent: AgentClient) -> int:
     return info["Buffers"] + info["Cached"]
 
 
-def read_disk(agent: AgentClient, size: int, passes: int = 1) -> None:
+def read_disk(agent: AgentClient, size: int, passes: int = 1, skip: int = 0) -> None:
     agent.check(
-        f"for i in $(seq {passes}); do "
-        f"dd if=/dev/vda of=/dev/null bs=1M count={size // MiB} 2>/dev/null; done"
+        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
+        f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done"
     )
 
 
@@ -190,21 +191,26 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
 
 
 def background_keeps_hot_and_backs_off_under_pressure(agent: AgentClient) -> None:
+    # Fresh cold cache for the background reclaimer to find.
+    read_disk(agent, COLD_AGAIN, skip=HOT)
     on = trim.set_background(agent, True)
     assert on is not None and on["background"]
-    # A reader that keeps its hot subset: the reclaimer leaves it alone.
+    # It takes the cold pages while a reader keeps its hot subset.
     before = refaults(agent)
     agent.check(
-        "end=$(($(date +%s) + 8)); while [ $(date +%s) -lt $end ]; do "
+        "end=$(($(date +%s) + 12)); while [ $(date +%s) -lt $end ]; do "
         f"dd if=/dev/vda of=/dev/null bs=1M count={HOT // MiB} 2>/dev/null; sleep 0.5; done"
     )
     hot_refaults = refaults(agent) - before
+    counters = trim.reclaimer_status(agent)
+    assert counters is not None
+    background = counters["reclaimed_bytes"] - on["reclaimed_bytes"]
+    print(f"background reclaimed {format_size(background)}, hot refaults {hot_refaults}")
+    assert background >= 64 * MiB, counters
     assert hot_refaults * PAGE < HOT // 4, f"{hot_refaults} refaults"
 
     # Pressure: anonymous memory takes all but ~160 MiB, and the reader
     # cycles through 256 MiB of disk, so its pages keep coming back.
-    counters = trim.reclaimer_status(agent)
-    assert counters is not None
     free = workload.meminfo(agent)["MemAvailable"]
     hold = agent.check(f"thinvm-mem hold {(free - 160 * MiB) // MiB}").json()["pid"]
     try:
