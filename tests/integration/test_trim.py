@@ -117,14 +117,16 @@ def stop_detached(vm: VM, name: str, env: dict[str, str]) -> None:
         vm.process.wait()
 
 
+@pytest.mark.parametrize("kernel", ["6.1", "6.12"])  # classic LRU, MGLRU
 def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
-    tmp_path: Path, run_env: dict[str, str]
+    tmp_path: Path, run_env: dict[str, str], kernel: str
 ) -> None:
     name = "trim"
     disk = scratch_disk(tmp_path / "scratch.img", DISK)
     config = VMConfig(
         name=name,
         memory=1 * GiB,
+        kernel=kernel,
         balloon=BalloonOptions(free_page_reporting=True),
         extra_args=disk_args(disk),
     )
@@ -174,9 +176,19 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
             cache_trimmed = page_cache(agent)
             assert cache_trimmed <= HOT + 192 * MiB, format_size(cache_trimmed)
             # The guest kept its hot subset: reading it again refaults little.
+            # Not so with MGLRU (Debian's 6.12): page cache read through
+            # read() stays in the oldest generation, so the floor cannot
+            # see the hot set and, before MGLRU has seen refaults, the
+            # first trim takes it; it comes back once and is kept after
+            # (the background check below runs after that).
             before = refaults(agent)
             read_disk(agent, HOT)
-            assert (refaults(agent) - before) * PAGE < HOT // 4
+            hot_refaults = refaults(agent) - before
+            print(f"hot refaults after the trim: {hot_refaults}; lru_gen {status['lru_gen']}")
+            if status["lru_gen"]:
+                assert hot_refaults * PAGE <= HOT + 4 * MiB
+            else:
+                assert hot_refaults * PAGE < HOT // 4
             print(
                 f"untrimmed {format_size(untrimmed)} sent, trimmed {format_size(trimmed)}; "
                 f"migrate --trim took {seconds:.1f} s; host RSS {format_size(rss_before)} -> "
