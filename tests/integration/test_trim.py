@@ -13,6 +13,7 @@ user would: read once, migrate untrimmed, migrate --trim, then switch
 the background reclaimer on for a hot reader and under pressure.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -198,6 +199,11 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
             background_keeps_hot_and_backs_off_under_pressure(agent)
         finally:
             moved.disconnect()
+
+        # `thinvm trim` on its own, bounded in bytes, for scripts.
+        proc = cli(run_env, "trim", name, "--max-bytes", "16M", "--json")
+        result = json.loads(proc.stdout)
+        assert result["trimmed"] and result["guest"]["stop"] in ("max_bytes", "floor"), result
     finally:
         stop_detached(vm, name, run_env)
 
