@@ -128,23 +128,42 @@ def wait_settled(
     return rss, time.monotonic() - start
 
 
+def trim_guest(
+    agent: AgentClient,
+    read_rss: Callable[[], int],
+    reporting: bool,
+    max_bytes: int = 0,
+    timeout: float = 30.0,
+    settle_timeout: float = 60.0,
+) -> TrimResult:
+    """Trim the guest behind `agent`; `read_rss` reads its QEMU's RSS and
+    `reporting` says whether free page reporting is on for it."""
+    rss_before = read_rss()
+    reply, why = request_trim(agent, max_bytes, timeout)
+    if reply is None:
+        return TrimResult(False, why, rss_before, rss_before, 0.0)
+    if not reporting:
+        note = "free page reporting is off, so the host keeps what the guest freed"
+        return TrimResult(True, note, rss_before, read_rss(), 0.0, reply)
+    if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM:
+        return TrimResult(True, "", rss_before, read_rss(), 0.0, reply)
+    rss_after, seconds = wait_settled(read_rss, settle_timeout)
+    return TrimResult(True, "", rss_before, rss_after, seconds, reply)
+
+
 def trim(
     vm: VM, max_bytes: int = 0, timeout: float = 30.0, settle_timeout: float = 60.0
 ) -> TrimResult:
     """Trim `vm`'s guest and wait until the host got the memory back."""
-    rss_before = vm.host_memory().rss
-    reply, why = request_trim(vm.agent, max_bytes, timeout)
-    if reply is None:
-        return TrimResult(False, why, rss_before, rss_before, 0.0)
     balloon = vm.config.balloon
-    if not (balloon.enabled and balloon.free_page_reporting):
-        rss_after = vm.host_memory().rss
-        note = "free page reporting is off, so the host keeps what the guest freed"
-        return TrimResult(True, note, rss_before, rss_after, 0.0, reply)
-    if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM:
-        return TrimResult(True, "", rss_before, vm.host_memory().rss, 0.0, reply)
-    rss_after, seconds = wait_settled(lambda: vm.host_memory().rss, settle_timeout)
-    return TrimResult(True, "", rss_before, rss_after, seconds, reply)
+    return trim_guest(
+        vm.agent,
+        lambda: vm.host_memory().rss,
+        balloon.enabled and balloon.free_page_reporting,
+        max_bytes,
+        timeout,
+        settle_timeout,
+    )
 
 
 def reclaimer_status(agent: AgentClient, timeout: float = 30.0) -> dict[str, Any] | None:
