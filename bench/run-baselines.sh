@@ -1,10 +1,13 @@
 #!/bin/bash
 # Run every benchmark scenario at its default size and regenerate
-# docs/benchmarks.md. Migration scenarios run thinvm against stock-best
-# (their baseline) with legacy as a reference row; the others stock QEMU
-# and the stock guest driver. Each scenario takes < 5 min on a
-# 2-CPU TCG host; extra arguments (e.g. --runs 5, --kernel 6.12) go to every
-# scenario. Scenarios that fail are reported at the end; the others still run.
+# docs/benchmarks.md. Migration scenarios measure seven stock and two thinvm
+# configurations; stock-best (their baseline) and thinvm are the best of
+# each in the same run, legacy stays a reference row; the others run stock
+# QEMU and the stock guest driver. Every run waits for a quiet machine (at
+# most 10 min) and every variant runs at least 5 times, so a scenario takes
+# far longer than it used to on a 2-CPU TCG host; extra arguments (e.g.
+# --kernel 6.12) go to every scenario. Scenarios that fail are reported at
+# the end; the others still run.
 #
 #   bench/run-baselines.sh                      # all scenarios
 #   SCENARIOS="inflate start" bench/run-baselines.sh --runs 2

@@ -13,6 +13,7 @@ from thinvm import pool
 from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
+from thinvm.guest import trim_cli
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
 from thinvm.qemu import accel, builds
@@ -207,6 +208,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             )
         if args.postcopy is not None and args.postcopy < 0:
             raise ThinvmError(f"--postcopy {args.postcopy:g}: want seconds, 0 or more")
+        if args.trim:
+            trim_cli.before_migration(src, args.name)
         # Said both ways: a VM that arrived by an earlier migration still has
         # the capabilities it was received with.
         caps = {"postcopy-ram": args.postcopy is not None}
@@ -302,7 +305,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from thinvm.bench import harness as bench
+    from thinvm.bench import runner as bench
 
     options = bench.BenchOptions(
         size=parse_size(args.size) if args.size else None,
@@ -479,7 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="switch to postcopy this long after the start (0: at once); with --uri the "
         "destination must have postcopy-ram on",
     )
+    p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
     p.set_defaults(func=cmd_migrate)
+
+    trim_cli.add_parser(sub, attached)
 
     p = sub.add_parser("down", help="stop a VM")
     p.add_argument("name", nargs="?")

@@ -27,12 +27,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "reclaim.h"
+
 #define DEFAULT_PORT_NAME	"org.thinvm.agent"
 #define VIRTIO_PORTS_DIR	"/sys/class/virtio-ports"
 
 #define LINE_MAX_LEN		256	/* longest request line we accept */
 #define TOKEN_MAX_LEN		64
 #define CMD_MAX_LEN		(1U << 20)
+#define TRIM_MAX_TIMEOUT_MS	3600000U	/* an hour: surely a typo beyond */
 #define READ_CHUNK		65536
 
 /*
@@ -576,6 +579,51 @@ static int start_exec(struct agent *a, size_t len)
 	return len ? 0 : finish_exec(a);
 }
 
+/* "JSON <n>" and n bytes: the answer to every reclaimer request. */
+static int reply_json(struct agent *a, const char *json, int len)
+{
+	if (len < 0)
+		return port_printf(a, "ERR unknown\n");
+	if (port_printf(a, "JSON %d\n", len))
+		return -1;
+	return port_write(a, json, len);
+}
+
+/* "TRIM <max_bytes> <timeout_ms>", both strict decimals. */
+static int handle_trim(struct agent *a, const char *args)
+{
+	char json[RECLAIM_JSON_MAX];
+	unsigned long long max_bytes, timeout_ms;
+	char *end;
+
+	if (!isdigit((unsigned char)*args))
+		return port_printf(a, "ERR unknown\n");
+	errno = 0;
+	max_bytes = strtoull(args, &end, 10);
+	if (errno || *end != ' ' || !isdigit((unsigned char)end[1]))
+		return port_printf(a, "ERR unknown\n");
+	timeout_ms = strtoull(end + 1, &end, 10);
+	if (errno || *end || timeout_ms > TRIM_MAX_TIMEOUT_MS)
+		return port_printf(a, "ERR unknown\n");
+	return reply_json(a, json, reclaim_trim(max_bytes, timeout_ms, json,
+						sizeof(json)));
+}
+
+static int handle_reclaim(struct agent *a, const char *what)
+{
+	char json[RECLAIM_JSON_MAX];
+	int n;
+
+	if (!strcmp(what, "status"))
+		n = reclaim_status(json, sizeof(json));
+	else if (!strcmp(what, "on") || !strcmp(what, "off"))
+		n = reclaim_set_background(!strcmp(what, "on"), json,
+					   sizeof(json));
+	else
+		return port_printf(a, "ERR unknown\n");
+	return reply_json(a, json, n);
+}
+
 static int handle_line(struct agent *a, const char *line)
 {
 	size_t len;
@@ -584,6 +632,10 @@ static int handle_line(struct agent *a, const char *line)
 		return port_printf(a, "PONG %s\n", line + 5);
 	if (!strncmp(line, "EXEC ", 5) && parse_length(line + 5, &len))
 		return start_exec(a, len);
+	if (!strncmp(line, "TRIM ", 5))
+		return handle_trim(a, line + 5);
+	if (!strncmp(line, "RECLAIM ", 8))
+		return handle_reclaim(a, line + 8);
 	return port_printf(a, "ERR unknown\n");
 }
 
@@ -697,10 +749,11 @@ static void serve(struct agent *a)
 static void usage(FILE *f)
 {
 	fprintf(f,
-		"usage: thinvm-agent [--port NAME | --device PATH | --fd N]\n"
+		"usage: thinvm-agent [--port NAME | --device PATH | --fd N] [--reclaim]\n"
 		"  --port NAME    virtio-serial port name (default %s)\n"
 		"  --device PATH  use this character device instead\n"
-		"  --fd N         serve an inherited fd (for tests)\n",
+		"  --fd N         serve an inherited fd (for tests)\n"
+		"  --reclaim      start with background reclaim on\n",
 		DEFAULT_PORT_NAME);
 }
 
@@ -716,12 +769,13 @@ static int parse_fd(const char *s)
 	return v;
 }
 
-static int parse_args(struct agent *a, int argc, char **argv)
+static int parse_args(struct agent *a, bool *reclaim, int argc, char **argv)
 {
 	static const struct option opts[] = {
 		{ "port", required_argument, NULL, 'p' },
 		{ "device", required_argument, NULL, 'd' },
 		{ "fd", required_argument, NULL, 'f' },
+		{ "reclaim", no_argument, NULL, 'r' },
 		{ "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
@@ -740,6 +794,9 @@ static int parse_args(struct agent *a, int argc, char **argv)
 			if (a->fixed_fd < 0)
 				return -1;
 			break;
+		case 'r':
+			*reclaim = true;
+			break;
 		case 'h':
 			usage(stdout);
 			exit(0);
@@ -757,9 +814,10 @@ int main(int argc, char **argv)
 		.fixed_fd = -1,
 		.fd = -1,
 	};
+	bool reclaim = false;
 	sigset_t set;
 
-	if (parse_args(&a, argc, argv) < 0) {
+	if (parse_args(&a, &reclaim, argc, argv) < 0) {
 		usage(stderr);
 		return 2;
 	}
@@ -769,6 +827,8 @@ int main(int argc, char **argv)
 	sigaddset(&set, SIGIO);
 	sigprocmask(SIG_BLOCK, &set, NULL);
 	setvbuf(stderr, NULL, _IOLBF, 0);
+	/* After the mask: the reclaim thread must never take SIGIO. */
+	reclaim_init(reclaim);
 
 	if (a.fixed_fd >= 0) {
 		a.fd = a.fixed_fd;

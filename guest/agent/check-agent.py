@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Host-side self test for thinvm-agent's wire protocol over a socketpair."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -82,6 +83,25 @@ def run(peer: Peer) -> None:
     check("background", peer.exec(b"sleep 3 >/dev/null 2>&1 &"),
           (0, b"", b""))
     check("background fast", time.monotonic() - start < 2, True)
+
+    # The reclaimer's requests.  Nothing here reclaims: this runs on the
+    # host, and TRIM with a zero timeout stops before its first step.
+    def reclaim_json(request: bytes) -> dict:
+        peer.send(request)
+        word, length = peer.line().split(b" ")
+        check(f"{request!r} header", word, b"JSON")
+        return json.loads(peer.exactly(int(length)))
+
+    status = reclaim_json(b"RECLAIM status\n")
+    check("status keys", {"available", "background", "reclaimed_bytes",
+                          "backoffs", "refault_pages", "compactions"}
+          <= status.keys(), True)
+    check("background off", status["background"], False)
+    trim = reclaim_json(b"TRIM 0 0\n")
+    check("trim 0 0", trim.get("reclaimed_bytes_trim", 0), 0)
+    peer.send(b"TRIM 1\nTRIM -1 5\nTRIM 1 5x\nRECLAIM maybe\n")
+    for i in range(4):
+        check(f"bad reclaim request {i}", peer.line(), b"ERR unknown")
 
     peer.send(b"PING bye\n")
     check("final ping", peer.line(), b"PONG bye")

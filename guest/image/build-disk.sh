@@ -87,7 +87,7 @@ inputs_hash() {
 	{
 		echo "$kernel $suite $meta ${packages[*]} $disk_size"
 		sha256sum "$here/build-disk.sh" "$disk_src"/* \
-			"$agent_src"/*.c "$agent_src"/Makefile \
+			"$agent_src"/*.[ch] "$agent_src"/Makefile \
 			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
 			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
 			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* | awk '{ print $1 }'
@@ -107,6 +107,7 @@ stage_files() {
 	mkdir -p "$s"
 	cp "$tmp/thinvm-agent" "$tmp/thinvm-mem" "$disk_src"/* "$s/"
 	cp "$top/docs/protocol/agent.md" "$s/agent.md" 2>/dev/null || : >"$s/agent.md"
+	cp "$top/docs/working-set.md" "$s/working-set.md" 2>/dev/null || : >"$s/working-set.md"
 	"$balloon_src/mkdeb.sh" "$s" >/dev/null
 }
 
@@ -153,6 +154,8 @@ customize() {
 	install -m 0755 "$s/thinvm-guest-info" "$r/usr/local/sbin/thinvm-guest-info"
 	install -m 0755 "$s/thinvm-mem" "$r/usr/local/bin/thinvm-mem"
 	install -D -m 0644 "$s/agent.md" "$r/usr/local/share/doc/thinvm/agent.md"
+	install -m 0644 "$s/working-set.md" "$r/usr/local/share/doc/thinvm/working-set.md"
+	install -m 0644 "$s/thinvm-agent.default" "$r/etc/default/thinvm-agent"
 	install -m 0644 "$s/thinvm-agent.service" "$s/thinvm-boot-done.service" \
 		"$r/etc/systemd/system/"
 	chroot "$r" systemctl enable thinvm-agent.service thinvm-boot-done.service

@@ -23,8 +23,10 @@ cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 apt=$top/scripts/debian-apt.sh
 agent_src=$top/guest/agent
 
-# Modules the guest needs beyond what the kernel has built in.
-base_modules=(virtio_pci virtio_console)
+# Modules the guest needs beyond what the kernel has built in.  virtio_blk:
+# tests attach scratch disks, whose reads fill a real, reclaimable page
+# cache (the initramfs root is not).
+base_modules=(virtio_pci virtio_console virtio_blk)
 
 log() { printf '[guest/image] %s\n' "$*" >&2; }
 die() { printf '[guest/image] error: %s\n' "$*" >&2; exit 1; }
@@ -219,7 +221,7 @@ inputs_hash() {
 		echo "$kpkg $kpkg_version $balloon_variant"
 		cat "$tmp/modlist"
 		sha256sum "$here/build.sh" "$here/init" "$(command -v busybox)" \
-			"$agent_src"/*.c "$agent_src"/Makefile ${balloon_ko:+"$balloon_ko"} |
+			"$agent_src"/*.[ch] "$agent_src"/Makefile ${balloon_ko:+"$balloon_ko"} |
 			awk '{ print $1 }'
 	} | sha256sum | awk '{ print $1 }'
 }

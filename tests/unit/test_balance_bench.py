@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from thinvm.bench.harness import RunContext
-from thinvm.bench.overcommit import GuestRun, Setup, Shared, Workload, _metrics
+from thinvm.bench.scenarios.overcommit import GuestRun, Setup, Shared, Workload, _metrics
+from thinvm.bench.types import RunContext
 from thinvm.units import MiB
 
 

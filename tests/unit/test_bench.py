@@ -7,20 +7,24 @@ from typing import Any
 
 import pytest
 
-from thinvm.bench import harness as bench
 from thinvm.bench import probe as bench_probe
 from thinvm.bench import report as bench_report
+from thinvm.bench import results as bench_results
+from thinvm.bench import runner
 from thinvm.bench import scenarios as bench_scenarios
-from thinvm.bench.harness import BenchOptions, RunContext, Scenario, Variant
+from thinvm.bench import types as bench_types
 from thinvm.bench.report import CatalogueEntry
+from thinvm.bench.scenarios import common, save, scale, transport
+from thinvm.bench.types import BenchOptions, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 WHEN = datetime(2026, 11, 21, 17, 5, 9, tzinfo=UTC)
 
 
 def test_alternation_order_interleaves_variants() -> None:
-    assert bench.alternation_order(["a", "b"], 3) == [
+    assert runner.alternation_order(["a", "b"], 3) == [
         (1, "a"),
         (1, "b"),
         (2, "a"),
@@ -28,19 +32,31 @@ def test_alternation_order_interleaves_variants() -> None:
         (3, "a"),
         (3, "b"),
     ]
-    assert bench.alternation_order(["only"], 1) == [(1, "only")]
+    assert runner.alternation_order(["only"], 1) == [(1, "only")]
     with pytest.raises(ThinvmError, match="at least 1"):
-        bench.alternation_order(["a"], 0)
+        runner.alternation_order(["a"], 0)
     with pytest.raises(ThinvmError, match="no variants"):
-        bench.alternation_order([], 2)
+        runner.alternation_order([], 2)
 
 
 def test_summarize_ignores_missing_values() -> None:
-    assert bench.summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
-    assert bench.summarize([4, None, 1, 2]) == {"median": 2, "min": 1, "max": 4, "n": 3}
-    assert bench.summarize([1.0, 2.0])["median"] == 1.5  # type: ignore[index]
-    assert bench.summarize([None]) is None
-    assert bench.summarize([]) is None
+    assert bench_results.summarize([3.0, 1.0, 2.0]) == {
+        "median": 2.0,
+        "min": 1.0,
+        "max": 3.0,
+        "n": 3,
+        "spread": 1.0,
+    }
+    assert bench_results.summarize([4, None, 1, 2]) == {
+        "median": 2,
+        "min": 1,
+        "max": 4,
+        "n": 3,
+        "spread": 1.5,
+    }
+    assert bench_results.summarize([1.0, 2.0])["median"] == 1.5  # type: ignore[index]
+    assert bench_results.summarize([None]) is None
+    assert bench_results.summarize([]) is None
 
 
 def _run(variant: str, k: int, **metrics: Any) -> dict[str, Any]:
@@ -62,16 +78,19 @@ def test_summary_ratios_against_the_baseline() -> None:
         _run("stock", 3, seconds=11.0, calls=100),
         {**_run("new", 3), "error": "guest died"},  # left out
     ]
-    summary = bench.summarize_runs(runs, ["stock", "new"], "stock")
+    summary = bench_results.summarize_runs(runs, ["stock", "new"], "stock")
     assert summary["stock"]["seconds"] == {
         "median": 11.0,
         "min": 10.0,
         "max": 12.0,
         "n": 3,
+        "spread": 0.1818,
         "ratio": None,
         "ratio_to": None,
     }
     assert summary["new"]["seconds"]["median"] == 5.0
+    # 4-6 s against 10-12 s: every run of new beat every run of stock.
+    assert summary["new"]["seconds"]["verdict"] == "lower"
     assert summary["new"]["seconds"]["n"] == 2
     assert summary["new"]["seconds"]["ratio"] == pytest.approx(5.0 / 11.0)
     assert summary["new"]["seconds"]["ratio_to"] == "stock"
@@ -84,7 +103,7 @@ def test_ratio_falls_back_to_first_variant_reporting_the_metric() -> None:
         _run("legacy", 1, rate=80.0, migration_ms=2000),
         _run("hint", 1, rate=90.0, migration_ms=500),
     ]
-    summary = bench.summarize_runs(runs, ["alone", "legacy", "hint"], "alone")
+    summary = bench_results.summarize_runs(runs, ["alone", "legacy", "hint"], "alone")
     assert "migration_ms" not in summary["alone"]
     assert summary["legacy"]["migration_ms"]["ratio"] is None
     assert summary["hint"]["migration_ms"]["ratio"] == 0.25
@@ -102,7 +121,7 @@ def test_a_variant_can_name_its_own_reference() -> None:
     ]
     refs = {"4G-thinvm": "4G-stock", "8G-thinvm": "8G-stock"}
     variants = ["4G-stock", "4G-thinvm", "8G-stock", "8G-thinvm"]
-    summary = bench.summarize_runs(runs, variants, "4G-stock", refs)
+    summary = bench_results.summarize_runs(runs, variants, "4G-stock", refs)
     assert summary["8G-thinvm"]["ms"]["ratio"] == pytest.approx(0.2)
     assert summary["8G-thinvm"]["ms"]["ratio_to"] == "8G-stock"
     assert summary["8G-stock"]["ms"]["ratio"] == 3.0  # growth: against the baseline
@@ -118,7 +137,7 @@ def test_a_reference_without_the_metric_falls_back_to_the_baseline() -> None:
         _run("ref", 1, ms=200.0),
         _run("new", 1, ms=50.0, rate=5.0),
     ]
-    summary = bench.summarize_runs(runs, ["base", "ref", "new"], "base", {"new": "ref"})
+    summary = bench_results.summarize_runs(runs, ["base", "ref", "new"], "base", {"new": "ref"})
     assert summary["new"]["ms"]["ratio_to"] == "ref"
     assert summary["new"]["ms"]["ratio"] == 0.25
     assert summary["new"]["rate"]["ratio_to"] == "base"
@@ -127,13 +146,13 @@ def test_a_reference_without_the_metric_falls_back_to_the_baseline() -> None:
 
 def test_targets_are_met_missed_or_not_measured() -> None:
     runs = [_run("stock-best", 1, ms=900.0), _run("thinvm", 1, ms=250.0), _run("small", 1, ms=200)]
-    summary = bench.summarize_runs(runs, ["stock-best", "thinvm", "small"], "stock-best")
+    summary = bench_results.summarize_runs(runs, ["stock-best", "thinvm", "small"], "stock-best")
     targets = [
-        bench.Target("3x faster", "thinvm", "stock-best", "ms", at_most=1 / 3),
-        bench.Target("within 1.2x of small", "thinvm", "small", "ms", at_most=1.2),
-        bench.Target("unmeasured", "ghost", "stock-best", "ms", at_most=1.0),
+        bench_types.Target("3x faster", "thinvm", "stock-best", "ms", at_most=1 / 3),
+        bench_types.Target("within 1.2x of small", "thinvm", "small", "ms", at_most=1.2),
+        bench_types.Target("unmeasured", "ghost", "stock-best", "ms", at_most=1.0),
     ]
-    evaluated = bench.evaluate_targets(summary, targets)
+    evaluated = bench_results.evaluate_targets(summary, targets)
     assert [t["met"] for t in evaluated] == [True, False, None]
     assert evaluated[0]["ratio"] == pytest.approx(250 / 900)
     assert evaluated[1]["ratio"] == pytest.approx(1.25)
@@ -142,17 +161,17 @@ def test_targets_are_met_missed_or_not_measured() -> None:
 
 
 def test_ratio_with_a_zero_reference() -> None:
-    assert bench.ratio(0, 0) == 1.0
-    assert bench.ratio(5, 0) is None
-    assert bench.ratio(3, 4) == 0.75
+    assert bench_results.ratio(0, 0) == 1.0
+    assert bench_results.ratio(5, 0) is None
+    assert bench_results.ratio(3, 4) == 0.75
 
 
 def test_result_names_round_trip_and_latest_wins(tmp_path: Path) -> None:
-    stem = bench.result_stem("migrate-idle", WHEN)
+    stem = bench_results.result_stem("migrate-idle", WHEN)
     assert stem == "migrate-idle-20261121T170509Z"
-    assert bench.parse_result_name(f"{stem}.json") == ("migrate-idle", "20261121T170509Z")
-    assert bench.parse_result_name("notes.json") is None
-    assert bench.parse_result_name(f"{stem}.png") is None
+    assert bench_results.parse_result_name(f"{stem}.json") == ("migrate-idle", "20261121T170509Z")
+    assert bench_results.parse_result_name("notes.json") is None
+    assert bench_results.parse_result_name(f"{stem}.png") is None
     for name in (
         "inflate-20261120T000000Z.json",
         "inflate-20261121T000000Z.json",
@@ -160,17 +179,17 @@ def test_result_names_round_trip_and_latest_wins(tmp_path: Path) -> None:
         "README.json",
     ):
         (tmp_path / name).write_text("{}")
-    latest = bench.latest_results(tmp_path)
+    latest = bench_results.latest_results(tmp_path)
     assert list(latest) == ["inflate", "migrate-idle"]
     assert latest["inflate"].name == "inflate-20261121T000000Z.json"
-    assert bench.latest_results(tmp_path / "missing") == {}
+    assert bench_results.latest_results(tmp_path / "missing") == {}
 
 
 def _scenario(**kwargs: Any) -> Scenario:
     calls: list[str] = []
 
     def variant(name: str, seconds: float) -> Variant:
-        def run(ctx: RunContext) -> bench.Metrics:
+        def run(ctx: RunContext) -> bench_types.Metrics:
             calls.append(f"{name}{ctx.run}")
             ctx.note("accel", "tcg")
             ctx.step("working")
@@ -228,8 +247,8 @@ class _Quiet:
 
 def _result() -> dict[str, Any]:
     scenario = _scenario()
-    runs, load = bench.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
-    return bench.build_result(
+    runs, load = runner.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
+    return bench_results.build_result(
         scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load, command=["thinvm"]
     )
 
@@ -237,7 +256,7 @@ def _result() -> dict[str, Any]:
 def test_run_scenario_alternates_and_records_load() -> None:
     scenario = _scenario()
     line = _Quiet()
-    runs, load = bench.run_scenario(scenario, 2, line)  # type: ignore[arg-type]
+    runs, load = runner.run_scenario(scenario, 2, line)  # type: ignore[arg-type]
     assert scenario.params["calls"] == ["stock1", "fast1", "stock2", "fast2"]
     assert [(r["variant"], r["run"]) for r in runs] == [
         ("stock", 1),
@@ -252,14 +271,14 @@ def test_run_scenario_alternates_and_records_load() -> None:
 
 
 def test_a_failing_run_is_recorded_and_the_others_continue() -> None:
-    def boom(ctx: RunContext) -> bench.Metrics:
+    def boom(ctx: RunContext) -> bench_types.Metrics:
         raise ThinvmError("guest agent did not answer")
 
     scenario = _scenario()
     scenario.variants.append(Variant("broken", boom))
-    runs, _ = bench.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
+    runs, _ = runner.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
     assert [r.get("error") for r in runs] == [None, None, "guest agent did not answer"]
-    summary = bench.summarize_runs(runs, ["stock", "fast", "broken"], "stock")
+    summary = bench_results.summarize_runs(runs, ["stock", "fast", "broken"], "stock")
     assert summary["broken"] == {}
 
 
@@ -274,7 +293,7 @@ def test_scenario_context_wraps_all_runs() -> None:
             events.append("exit")
 
     scenario = _scenario(context=Context)
-    bench.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
+    runner.run_scenario(scenario, 1, _Quiet())  # type: ignore[arg-type]
     assert events == ["enter", "exit"]
 
 
@@ -287,9 +306,11 @@ def test_references_only_to_variants_that_run() -> None:
 
 
 def test_result_records_references_and_targets() -> None:
-    scenario = _scenario(targets=[bench.Target("4x", "fast", "stock", "inflate_s", 0.25)])
-    runs, load = bench.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
-    result = bench.build_result(scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load)
+    scenario = _scenario(targets=[bench_types.Target("4x", "fast", "stock", "inflate_s", 0.25)])
+    runs, load = runner.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
+    result = bench_results.build_result(
+        scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load
+    )
     assert result["variants"][1] == {
         "name": "fast",
         "description": "the fast way",
@@ -332,8 +353,8 @@ def test_select_variants() -> None:
 
 def test_result_document_has_the_schema_fields() -> None:
     result = _result()
-    bench.validate_result(result)
-    assert result["schema"] == bench.SCHEMA_VERSION
+    bench_results.validate_result(result)
+    assert result["schema"] == bench_results.SCHEMA_VERSION
     assert result["created"] == "2026-11-21T17:05:09Z"
     assert result["baseline"] == "stock"
     assert result["runs_per_variant"] == 2
@@ -342,9 +363,9 @@ def test_result_document_has_the_schema_fields() -> None:
     broken = dict(result)
     del broken["environment"]
     with pytest.raises(ThinvmError, match="environment"):
-        bench.validate_result(broken)
+        bench_results.validate_result(broken)
     with pytest.raises(ThinvmError, match="baseline"):
-        bench.validate_result({**result, "baseline": "ghost"})
+        bench_results.validate_result({**result, "baseline": "ghost"})
 
 
 @pytest.mark.parametrize(
@@ -384,7 +405,8 @@ def test_render_table_rows_are_metrics_columns_variants() -> None:
     assert table[1] == "|---|--:|--:|"
     assert table[2].startswith("| inflate time | 3.00 s [2.00 s\u20134.00 s] | 0.75 s")
     assert table[2].endswith("\u00d70.25 |")
-    assert table[3].startswith("| host RSS after | 512.00 MiB | 512.00 MiB \u00d71.00 |")
+    # Equal values: the ranges overlap, so no ratio is claimed.
+    assert table[3].startswith("| host RSS after | 512.00 MiB | 512.00 MiB no clear difference |")
 
 
 def test_render_document_sections_links_and_todos() -> None:
@@ -425,29 +447,38 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 
 def test_run_writes_json_plot_and_docs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench.run end to end, with a fake scenario instead of guests."""
+    """runner.run end to end, with a fake scenario instead of guests."""
     spec = bench_scenarios.ScenarioSpec(
         "inflate", "balloon inflate", lambda opts, params, size: _scenario(), "1G", "RAM", 2
     )
     monkeypatch.setattr(bench_scenarios, "SCENARIOS", {"inflate": spec})
-    monkeypatch.setattr(bench, "guest_environment", lambda *args: {"qemu": {}, "accel": "tcg"})
+    monkeypatch.setattr(runner, "guest_environment", lambda *args: {"qemu": {}, "accel": "tcg"})
     monkeypatch.setattr(bench_probe, "counter_backend", lambda requested: "perf")
     docs = tmp_path / "docs" / "benchmarks.md"
     results = tmp_path / "bench" / "results"
-    path = bench.run("inflate", BenchOptions(), results_dir=results, docs=docs, line=_Quiet())  # type: ignore[arg-type]
+    path = runner.run(
+        "inflate",
+        BenchOptions(quiet_wait=0),
+        results_dir=results,
+        docs=docs,
+        line=_Quiet(),  # type: ignore[arg-type]
+    )
     data = json.loads(path.read_text())
-    bench.validate_result(data)
-    assert len(data["runs"]) == 4
+    bench_results.validate_result(data)
+    # The spec asks for 2 runs per variant; recorded results get at least 5.
+    assert len(data["runs"]) == 2 * bench_scenarios.MIN_RUNS
     assert data["environment"]["counter"] == "perf"
     assert data["environment"]["nproc"] >= 1
     assert (results / data["plot"]).is_file()
     text = docs.read_text()
     assert f"![inflate](../bench/results/{data['plot']})" in text
-    assert "\u00d70.25" in text
+    # 0.5-2.5 s against 2-10 s over five runs: the ranges overlap.
+    assert "0.25" not in text and "no clear difference" in text
+    assert "quiet gate (1-min load < 1, no other QEMU, wait at most 0 s)" in text
 
 
 def test_all_runs_failing_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(ctx: RunContext) -> bench.Metrics:
+    def boom(ctx: RunContext) -> bench_types.Metrics:
         raise ThinvmError("no guest")
 
     def make(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -455,10 +486,16 @@ def test_all_runs_failing_writes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 
     spec = bench_scenarios.ScenarioSpec("inflate", "t", make, "1G", "RAM", 1)
     monkeypatch.setattr(bench_scenarios, "SCENARIOS", {"inflate": spec})
-    monkeypatch.setattr(bench, "guest_environment", lambda *args: {})
+    monkeypatch.setattr(runner, "guest_environment", lambda *args: {})
     monkeypatch.setattr(bench_probe, "counter_backend", lambda requested: "perf")
     with pytest.raises(ThinvmError, match="all 1 runs of inflate failed"):
-        bench.run("inflate", BenchOptions(), results_dir=tmp_path, docs=None, line=_Quiet())  # type: ignore[arg-type]
+        runner.run(
+            "inflate",
+            BenchOptions(runs=1, quiet_wait=0),
+            results_dir=tmp_path,
+            docs=None,
+            line=_Quiet(),  # type: ignore[arg-type]
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -496,10 +533,10 @@ def test_counter_backend_rejects_unknown() -> None:
 
 
 def test_scale_sizes() -> None:
-    assert bench_scenarios.scale_sizes(8 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB]
-    assert bench_scenarios.scale_sizes(16 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB, 16 * GiB]
-    assert bench_scenarios.scale_sizes(1 * GiB) == [1 * GiB]
-    assert bench_scenarios.scale_sizes(64 * GiB, 4 * GiB) == [4 * GiB << i for i in range(5)]
+    assert scale.scale_sizes(8 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB]
+    assert scale.scale_sizes(16 * GiB) == [2 * GiB, 4 * GiB, 8 * GiB, 16 * GiB]
+    assert scale.scale_sizes(1 * GiB) == [1 * GiB]
+    assert scale.scale_sizes(64 * GiB, 4 * GiB) == [4 * GiB << i for i in range(5)]
 
 
 def test_scenario_params_are_checked() -> None:
@@ -531,7 +568,7 @@ MIGRATION_SCENARIOS = ("migrate-idle", "migrate-dirty", "migrate-ballooned", "mi
 @pytest.mark.parametrize("name", MIGRATION_SCENARIOS)
 def test_migration_scenarios_are_quoted_against_stock_best(name: str) -> None:
     scenario = bench_scenarios.get(name).build(BenchOptions())
-    names = [v.name for v in scenario.variants]
+    names = scenario.rows
     assert scenario.baseline_name.endswith("stock-best")
     assert any(n.endswith("thinvm") for n in names)
     assert any(n.endswith("legacy") for n in names)  # the reference row stays
@@ -545,31 +582,42 @@ def test_every_migrating_scenario_has_stock_best_and_thinvm() -> None:
         scenario = spec.build(BenchOptions())
         if scenario.main_metric != "migration_ms":
             continue
-        names = {v.name for v in scenario.variants}
+        names = set(scenario.rows)
         assert any(n.endswith("stock-best") for n in names), spec.name
         assert any(n.endswith("thinvm") for n in names), spec.name
 
 
-def test_stock_best_and_thinvm_stacks() -> None:
-    stacks = {name: stack for name, stack, _ in bench_scenarios.MIGRATION_STACKS}
-    best, thinvm = stacks["stock-best"], stacks["thinvm"]
-    assert (best.build, best.driver) == ("stock", "stock")
-    assert best.hint and best.reporting and best.caps == {"multifd": True}
-    assert (thinvm.build, thinvm.driver) == ("patched", "thinvm")
-    assert thinvm.hint and thinvm.reporting and thinvm.ranges
-    assert thinvm.caps == {"sparse-ram": True, "multifd": True}
-    assert stacks["legacy"].caps == {} and not stacks["legacy"].reporting
+def test_stock_candidates_span_hinting_channels_and_legacy() -> None:
+    stock = {c.name: c for c in common.STOCK_CANDIDATES}
+    assert all((c.stack.build, c.stack.driver) == ("stock", "stock") for c in stock.values())
+    # Reporting with and without hinting; multifd with 2 channels, 1, none.
+    shapes = {
+        (c.stack.hint, c.stack.multifd, c.params.get("multifd-channels", 2))
+        for c in stock.values()
+        if c.stack.reporting
+    }
+    assert shapes == {
+        (h, m, n) for h in (True, False) for m, n in ((True, 2), (True, 1), (False, 2))
+    }
+    assert stock["stock-hint-mfd2"].stack == STOCK_BEST
+    assert stock["legacy"].stack.caps == {} and not stock["legacy"].stack.reporting
+    thinvm = {c.name: c.stack for c in common.THINVM_CANDIDATES}
+    assert thinvm["thinvm-hint"] == THINVM and not thinvm["thinvm-no-hint"].hint
+    for stack in thinvm.values():
+        assert (stack.build, stack.driver) == ("patched", "thinvm")
+        assert stack.reporting and stack.ranges
+        assert stack.caps == {"sparse-ram": True, "multifd": True}
 
 
 def test_migrate_idle_uses_an_eighth_and_has_the_3x_target() -> None:
     scenario = bench_scenarios.get("migrate-idle").build(BenchOptions(size=2 * GiB))
     assert scenario.params["used"] == "256.00 MiB"
-    assert [v.name for v in scenario.variants] == [
-        "stock-best",
-        "thinvm",
-        "legacy",
-        "thinvm-stock-driver",
-    ]
+    candidates = [c.name for c in common.MIGRATION_CANDIDATES]
+    assert scenario.rows == ["stock-best", "thinvm", *candidates, "thinvm-stock-driver"]
+    assert scenario.baseline_name == "stock-best"
+    stock_best, thinvm = scenario.best
+    assert stock_best.candidates == tuple(c.name for c in common.STOCK_CANDIDATES)
+    assert thinvm.candidates == ("thinvm-hint", "thinvm-no-hint")
     (target,) = scenario.targets
     assert (target.variant, target.reference, target.metric) == (
         "thinvm",
@@ -609,7 +657,7 @@ def test_save_restore_saves_both_as_mapped_ram_over_multifd() -> None:
     assert scenario.baseline_name == "stock-best"
     assert scenario.params["used"] == "512.00 MiB"  # 1/8 of 4 GiB
     assert scenario.params["multifd-channels"] == 2
-    stacks = {name: (stack, extra) for name, stack, extra, _ in bench_scenarios.SAVE_STACKS}
+    stacks = {name: (stack, extra) for name, stack, extra, _ in save.SAVE_STACKS}
     best, best_extra = stacks["stock-best"]
     assert {**best.caps, **best_extra} == {"multifd": True, "mapped-ram": True}
     thinvm, thinvm_extra = stacks["thinvm"]
@@ -646,15 +694,15 @@ def test_migrate_compress_compares_zlib_with_none_at_the_same_cap() -> None:
 
 
 def test_compress_params_model_the_link_in_bytes_per_second() -> None:
-    assert bench_scenarios.compress_params("zlib", 1000) == {
+    assert scale.compress_params("zlib", 1000) == {
         "multifd-compression": "zlib",
         "max-bandwidth": 125_000_000,
     }
-    assert bench_scenarios.compress_params("none", None) == {"multifd-compression": "none"}
-    assert bench_scenarios.link_name(1000) == "1gbit"
-    assert bench_scenarios.link_name(400) == "400mbit"
+    assert scale.compress_params("none", None) == {"multifd-compression": "none"}
+    assert scale.link_name(1000) == "1gbit"
+    assert scale.link_name(400) == "400mbit"
     with pytest.raises(ThinvmError, match="choose one of none, zlib"):
-        bench_scenarios.compress_params("zstd", None)
+        scale.compress_params("zstd", None)
 
 
 @pytest.mark.parametrize(
@@ -678,7 +726,6 @@ def test_network_compares_veth_with_veth() -> None:
 
 
 def test_stack_capabilities() -> None:
-    Stack = bench_scenarios.Stack
     assert Stack().caps == {}
     assert Stack(sparse=True).caps == {"sparse-ram": True}
     assert Stack(sparse=True, multifd=True).caps == {"sparse-ram": True, "multifd": True}
@@ -691,7 +738,7 @@ def test_progress_sample_keeps_what_shows_where_time_goes() -> None:
         "expected-downtime": 41,
         "ram": {"transferred": 300 * MiB, "remaining": 12 * MiB, "dirty-sync-count": 3},
     }
-    assert bench_scenarios.progress_sample(info) == {
+    assert transport.progress_sample(info) == {
         "ms": 812,
         "status": "active",
         "sent_mib": 300.0,
@@ -700,11 +747,11 @@ def test_progress_sample_keeps_what_shows_where_time_goes() -> None:
         "expected_downtime_ms": 41,
     }
     # Before QEMU has counted anything (setup) the sample still has every key.
-    assert bench_scenarios.progress_sample({"status": "setup"})["sent_mib"] == 0
+    assert transport.progress_sample({"status": "setup"})["sent_mib"] == 0
 
 
 def test_thinvm_stock_driver_differs_from_thinvm_only_in_the_driver() -> None:
-    diagnostic, thinvm = bench_scenarios.THINVM_STOCK_DRIVER, bench_scenarios.THINVM
+    diagnostic, thinvm = common.THINVM_STOCK_DRIVER, THINVM
     assert diagnostic.driver == "stock" and not diagnostic.ranges
     assert diagnostic.caps == thinvm.caps and diagnostic.build == thinvm.build
     assert (diagnostic.hint, diagnostic.reporting) == (thinvm.hint, thinvm.reporting)
@@ -723,5 +770,25 @@ Node 0, zone    DMA32
         managed  505000
     nr_free_pages 200000
 """
-    assert bench_scenarios.memmap_bytes(zoneinfo) == (3998 + 520159) * 64
-    assert bench_scenarios.memmap_bytes("") == 0
+    assert scale.memmap_bytes(zoneinfo) == (3998 + 520159) * 64
+    assert scale.memmap_bytes("") == 0
+
+
+def test_one_vm_config_for_every_benchmark_guest() -> None:
+    opts = BenchOptions(build="patched", kernel="6.12", driver="thinvm", accel="tcg")
+    plain = opts.vm_config("g", 1 * GiB, reporting=True, prealloc=True, reserve=False)
+    assert (plain.build, plain.kernel, plain.guest_driver, plain.accel) == (
+        "patched",
+        "6.12",
+        "thinvm",
+        "tcg",
+    )
+    assert plain.balloon.free_page_reporting and not plain.balloon.free_page_hint
+    assert plain.prealloc and not plain.reserve
+    # QEMU names its threads, so the CPU accounting can tell them apart.
+    assert plain.extra_args == list(bench_types.GUEST_ARGS)
+    stacked = opts.vm_config("g", 1 * GiB, THINVM)
+    assert (stacked.build, stacked.guest_driver) == ("patched", "thinvm")
+    assert stacked.balloon == THINVM.balloon()
+    with pytest.raises(ValueError):
+        opts.vm_config("g", 1 * GiB, THINVM, reporting=True)

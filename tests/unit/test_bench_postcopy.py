@@ -1,13 +1,14 @@
 """The migrate-postcopy scenario's stacks and counters."""
 
 from thinvm.bench import scenarios as bench_scenarios
-from thinvm.bench.harness import BenchOptions
+from thinvm.bench.scenarios import postcopy
+from thinvm.bench.types import BenchOptions
 from thinvm.units import GiB, MiB
 from thinvm.vm.migrate import MigrationResult
 
 
 def test_postcopy_variants_use_what_postcopy_allows() -> None:
-    stacks = {name: (stack, pc) for name, stack, pc, _ in bench_scenarios.POSTCOPY_STACKS}
+    stacks = {name: (stack, pc) for name, stack, pc, _ in postcopy.POSTCOPY_STACKS}
     assert next(iter(stacks)) == "stock-best" and not stacks["stock-best"][1]
     for name in ("postcopy-stock", "postcopy-thinvm"):
         stack, pc = stacks[name]
@@ -36,7 +37,7 @@ def test_postcopy_metrics_read_query_migrate() -> None:
         "ram": {"postcopy-requests": 17, "postcopy-bytes": 200 * MiB},
     }
     result = MigrationResult.from_query(info, 0.5)
-    assert bench_scenarios.postcopy_metrics(result) == {
+    assert postcopy.postcopy_metrics(result) == {
         "postcopy_requests": 17,
         "postcopy_bytes": 200 * MiB,
     }

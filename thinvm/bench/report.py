@@ -1,6 +1,6 @@
 """Benchmark reports: markdown tables, docs/benchmarks.md, PNG plots.
 
-Everything here is a pure function of results documents (see thinvm.bench.harness)
+Everything here is a pure function of results documents (see thinvm.bench.results)
 except plot_result(), which draws with matplotlib's Agg backend.
 """
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thinvm.bench.results import NO_CLEAR_DIFFERENCE, verdict
 from thinvm.units import GiB, MiB, format_size
 
 DASH = "\u2013"  # en dash, for ranges
@@ -69,6 +70,16 @@ LABELS = {
     "qmp_s": "launch to QMP ready",
     "fit_guests": "guests that fit",
     "oom_guests": "guests OOM-killed",
+    "src_cpu_s": "source CPU",
+    "src_migration_cpu_s": "source CPU: migration threads",
+    "src_vcpu_cpu_s": "source CPU: vCPUs",
+    "src_multifd_cpu_s": "source CPU: multifd channels",
+    "src_other_cpu_s": "source CPU: other threads",
+    "dst_cpu_s": "destination CPU",
+    "dst_migration_cpu_s": "destination CPU: migration threads",
+    "dst_vcpu_cpu_s": "destination CPU: vCPUs",
+    "dst_multifd_cpu_s": "destination CPU: multifd channels",
+    "dst_other_cpu_s": "destination CPU: other threads (main loop)",
 }
 
 
@@ -113,10 +124,18 @@ def format_ratio(value: float | None) -> str:
     return f"{TIMES}{value:.2f}" if value < 100 else f"{TIMES}{value:.0f}"
 
 
-def format_cell(name: str, entry: dict[str, Any] | None, baseline: str | None = None) -> str:
+def format_cell(
+    name: str,
+    entry: dict[str, Any] | None,
+    baseline: str | None = None,
+    reference: dict[str, Any] | None = None,
+) -> str:
     """`median [min-max] xratio` of one variant's metric.
 
     A ratio taken against another variant than the table's baseline says so.
+    Where this variant's min..max range overlaps its `reference`'s (the
+    entry of the variant the ratio is taken against), the ratio is no
+    evidence of a gain or a loss and prints as "no clear difference".
     """
     if entry is None:
         return DASH
@@ -125,6 +144,8 @@ def format_cell(name: str, entry: dict[str, Any] | None, baseline: str | None = 
     if low != high:
         text += f" [{low}{DASH}{high}]"
     ratio = format_ratio(entry.get("ratio"))
+    if ratio and verdict(entry, reference) == NO_CLEAR_DIFFERENCE:
+        ratio = NO_CLEAR_DIFFERENCE
     if ratio and baseline and entry.get("ratio_to") not in (None, baseline):
         ratio += f" vs {entry['ratio_to']}"
     return f"{text} {ratio}" if ratio else text
@@ -142,19 +163,40 @@ def ordered_metrics(result: dict[str, Any]) -> list[str]:
     return [n for n in seen if any(n in v for v in result["summary"].values())]
 
 
+def column_name(variant: dict[str, Any], baseline: str) -> str:
+    """A table column's head: the row's name, the winner of a chosen row, the baseline."""
+    name = str(variant["name"])
+    if "best_of" in variant:
+        name += f" = {variant.get('chosen') or 'none'}"
+    return f"{name} (baseline)" if variant["name"] == baseline else name
+
+
 def render_table(result: dict[str, Any]) -> str:
     """Rows: metrics; columns: variants; cells: median [min-max] xratio."""
     variants = [v["name"] for v in result["variants"]]
     baseline = result["baseline"]
-    header = ["metric"] + [f"{v} (baseline)" if v == baseline else v for v in variants]
+    header = ["metric"] + [column_name(v, baseline) for v in result["variants"]]
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["--:"] * len(variants)) + "|",
     ]
+    summary = result["summary"]
     for name in ordered_metrics(result):
-        cells = [format_cell(name, result["summary"][v].get(name), baseline) for v in variants]
+        cells = [
+            format_cell(name, summary[v].get(name), baseline, _reference(summary, v, name))
+            for v in variants
+        ]
         lines.append(f"| {metric_label(name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _reference(
+    summary: dict[str, dict[str, Any]], variant: str, name: str
+) -> dict[str, Any] | None:
+    """The summary entry `variant`'s ratio for `name` was taken against."""
+    to = summary[variant].get(name, {}).get("ratio_to")
+    reference: dict[str, Any] | None = summary.get(to, {}).get(name) if to else None
+    return reference
 
 
 def _build_line(qemu: dict[str, Any], flavour: str) -> str:
@@ -196,7 +238,22 @@ def load_line(result: dict[str, Any]) -> str:
     )
     if any(others):
         text += f"; other QEMU processes on the host at run start: {min(others)}{DASH}{max(others)}"
-    return text
+    return text + _gate_text(result)
+
+
+def _gate_text(result: dict[str, Any]) -> str:
+    """What the quiet gate saw, for results recorded with one."""
+    gate = result["load"].get("gate")
+    seen = [r["quiet"] for r in result["runs"] if "quiet" in r]
+    if not gate or not seen:
+        return ""
+    waited = [s["waited_s"] for s in seen]
+    quiet = sum(1 for s in seen if s["quiet"])
+    return (
+        f"; quiet gate (1-min load < {gate['max_load']:g}, no other QEMU, wait at most "
+        f"{gate['max_wait_s']:.0f} s): {quiet} of {len(seen)} runs started on a quiet "
+        f"machine, after waiting {min(waited):.0f}{DASH}{max(waited):.0f} s"
+    )
 
 
 def command_line(result: dict[str, Any]) -> str:
@@ -205,8 +262,12 @@ def command_line(result: dict[str, Any]) -> str:
     return " ".join(["thinvm", *args]) if args else f"thinvm bench {result['scenario']}"
 
 
-def render_target(target: dict[str, Any]) -> str:
-    """One target: what it asks, what was measured, met or not."""
+def render_target(target: dict[str, Any], summary: dict[str, Any] | None = None) -> str:
+    """One target: what it asks, what was measured, met or not.
+
+    With the result's `summary`, a target whose two variants' min..max
+    ranges overlap says so: its ratio is then no clear difference.
+    """
     bound = format_ratio(target["at_most"])
     what = (
         f"{target['variant']} / {target['reference']} {metric_label(target['metric'])} "
@@ -214,8 +275,13 @@ def render_target(target: dict[str, Any]) -> str:
     )
     if target.get("ratio") is None:
         return f"- {target['label']}: {what}; not measured in this run."
-    verdict = "**met**" if target["met"] else "**not met**"
-    return f"- {target['label']}: {what}; measured {format_ratio(target['ratio'])}: {verdict}."
+    met = "**met**" if target["met"] else "**not met**"
+    entries = [
+        (summary or {}).get(target[v], {}).get(target["metric"]) for v in ("variant", "reference")
+    ]
+    if entries[0] is not None and verdict(entries[0], entries[1]) == NO_CLEAR_DIFFERENCE:
+        met += f" (the ranges overlap: {NO_CLEAR_DIFFERENCE})"
+    return f"- {target['label']}: {what}; measured {format_ratio(target['ratio'])}: {met}."
 
 
 def render_params(params: dict[str, Any]) -> str:
@@ -242,7 +308,8 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
         f"Median [min{DASH}max] of {result['runs_per_variant']} run(s) per variant, run "
         f"alternately; {TIMES}ratio = median / median of the baseline variant, or of the "
         f"variant named after `vs` (for a metric that variant does not report: of the "
-        f"baseline, else of the first variant that does). "
+        f"baseline, else of the first variant that does); where the two variants' "
+        f"min{DASH}max ranges overlap, the ratio is shown as {NO_CLEAR_DIFFERENCE}. "
         f"Recorded {result['created']} in {result['wall_seconds']:.0f} s by "
         f"`{command_line(result)}`; parameters: {render_params(result['params'])}.",
         "",
@@ -250,9 +317,11 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
         "",
         f"Load: {load_line(result)}.",
     ]
+    if not result["load"].get("gate"):
+        lines += ["", _before_rules(result)]
     if result.get("targets"):
         lines += ["", "Targets:", ""]
-        lines += [render_target(t) for t in result["targets"]]
+        lines += [render_target(t, result["summary"]) for t in result["targets"]]
     if failed:
         lines += ["", f"{len(failed)} run(s) failed and are left out of the table:"]
         lines += [f"- {r['variant']} run {r['run']}: {r['error']}" for r in failed]
@@ -275,16 +344,17 @@ INTRO = """\
 # Benchmarks
 
 Every thinvm feature has to prove its speed against the best stock setup in
-the same run. For migration that is **stock-best**: stock QEMU ({qemu})
-with the guest kernel's own virtio-balloon driver, free page hinting and
-free page reporting on, and multifd (2 channels) with its zero-page
-detection, QEMU's default since 9.0: what a user who tuned stock QEMU would
-run. Every migration scenario has it as its baseline variant, so **the
-{times}ratios of migration tables are against stock-best**. **thinvm** is the
-full stack over the same transport (patched QEMU, our driver with page
-ranges, hinting, reporting, sparse-ram, the same multifd channels);
-**legacy** (stock QEMU and driver, no extras, one channel) stays as a
-reference row. Scenarios that do not migrate (inflate, density, start)
+the same run. For migration that is **stock-best**: the best stock QEMU
+({qemu}) configuration measured in the same run (see "How results are
+measured"), with the guest kernel's own virtio-balloon driver; **the
+{times}ratios of migration tables are against stock-best**. **thinvm** is
+likewise the best of thinvm's options (patched QEMU, our driver with page
+ranges, reporting, sparse-ram, multifd; with and without hinting).
+**legacy** (stock QEMU and driver, no extras, one stream) stays as a
+reference row. Results recorded before these rules (their sections say so)
+have a fixed stock-best: hinting, reporting and multifd (2 channels) with
+its zero-page detection, QEMU's default since 9.0; and a fixed thinvm
+(with hinting). Scenarios that do not migrate (inflate, density, start)
 compare with stock QEMU and the guest kernel's own driver.
 
 This page is regenerated by
@@ -319,10 +389,69 @@ How to read the tables:
   multifd variants use the channels); the downtime limit is QEMU's
   default (300 ms) unless a scenario's parameters say otherwise.
 
+## How results are measured
+
+The machine is shared (2 CPUs, other engineers' builds and guests), so a
+recorded result follows these rules (issue 19):
+
+- **Quiet gate.** Before every run the harness waits until the 1-minute
+  load average is below 1.0 and no QEMU runs that the harness did not start,
+  for at most 10 minutes; then the run starts anyway. Every run records the
+  load, the number of other QEMU processes and how long it waited, and each
+  section's load line says how many runs started on a quiet machine.
+- **At least 5 runs per variant**, interleaved A B A B ..., unless `--runs`
+  asks for fewer (then the section shows the smaller count).
+- **Spread and verdict.** A ratio is a gain or a loss only when the two
+  variants' min{dash}max ranges are apart, i.e. every run of one beat every
+  run of the other. Where the ranges overlap, the table prints **no clear
+  difference** instead of the ratio, and a target met or missed on such
+  ranges says so. The JSON keeps the ratio, the spread ((max {dash} min) /
+  median) and the verdict of every metric.
+- **stock-best as measured.** Each migration scenario measures seven stock
+  configurations: free page reporting with and without hinting, each over
+  multifd with 2 channels (`stock-hint-mfd2`, `stock-mfd2`), with 1 channel
+  (`stock-hint-mfd1`, `stock-mfd1`) and without multifd (`stock-hint`,
+  `stock-reporting`), and `legacy`. The **stock-best** row carries the
+  figures of the one with the **lowest median migration time** in that run
+  (on a tie, the first listed); its column head names it
+  (`stock-best = stock-mfd2`). The **thinvm** row is chosen the same way
+  from `thinvm-hint` and `thinvm-no-hint`. Per guest size or link the rows
+  are named `8G-stock-best`, `veth-thinvm` and so on. migrate-compress,
+  migrate-postcopy, save-restore and migrate-hinting keep fixed
+  configurations, as their descriptions say.
+- **Cost, not only time.** Every migration records the CPU seconds of the
+  source and the destination QEMU from just before `migrate` until the
+  source completes (source) or the guest runs again (destination), split by
+  QEMU's thread names (guests run with `-name debug-threads=on`):
+  `src_cpu_s`, `src_migration_cpu_s` (migration thread and helpers),
+  `src_vcpu_cpu_s`, `src_multifd_cpu_s` (multifd channels),
+  `src_other_cpu_s` (main loop and the rest), and the same for `dst_`. They
+  come from `/proc/PID/task/TID/stat` (user + system time, 10 ms ticks),
+  sampled every 100 ms so that threads that exit during the migration still
+  count; the totals are the whole process's (`/proc/PID/stat`, which keeps
+  the time of exited threads), and what an exited thread used after its last
+  sample goes to the kinds of the threads that exited. On the destination,
+  precopy loads the main stream in the main loop, so its cost shows in
+  `dst_other_cpu_s`. Bytes sent and pages sent, read as zero and skipped
+  unread come from `query-migrate`.
+
 Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
 [--variants a,b] [--param key=value]`; `thinvm bench --list` shows every
 scenario with its defaults. `bench/run-baselines.sh` runs them all.
 """
+
+
+def _before_rules(result: dict[str, Any]) -> str:
+    """What a result recorded before issue 19's rules lacks."""
+    text = (
+        'Recorded before the rules of "How results are measured": no quiet gate, '
+        f"{result['runs_per_variant']} run(s) per variant"
+    )
+    if result["main_metric"] == "migration_ms" and not any(
+        "best_of" in v for v in result["variants"]
+    ):
+        text += ", stock-best and thinvm fixed configurations rather than the best measured"
+    return text + "."
 
 
 def render_document(

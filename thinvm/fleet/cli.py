@@ -101,10 +101,31 @@ def cmd_exec(args: argparse.Namespace) -> int:
     return result.status
 
 
+def cmd_trim(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    host = guest.find_guest(state, args.name)
+    max_bytes = parse_size(args.max_bytes) if args.max_bytes else 0
+    result = guest.trim(host, args.name, max_bytes=max_bytes, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    elif result.trimmed:
+        print(result.describe(args.name))
+    else:
+        print(f"thinvm: {result.describe(args.name)}", file=sys.stderr)
+    return 0 if result.trimmed else 1
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     source = guest.find_guest(state, args.name)
     dest = state.host(args.to)
+    if args.trim:
+        trimmed = guest.trim(source, args.name)
+        if trimmed.trimmed:
+            print(trimmed.describe(args.name), file=sys.stderr if args.json else sys.stdout)
+        else:
+            print(f"thinvm: {args.name}: not trimmed, migrating anyway: {trimmed.note}",
+                  file=sys.stderr)  # fmt: skip
     result = migrate.migrate(source, dest, args.name, parallel=args.parallel)
     data = result.summary()
     data["balloon"] = migrate.balloon_counters(dest, args.name)
@@ -233,8 +254,16 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("name")
     p.add_argument("--to", required=True, help="destination host, e.g. h2")
     p.add_argument("--parallel", type=int, default=0, help="multifd connections (0: off)")
+    p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_migrate)
+
+    p = fsub.add_parser("trim", help="have a cluster guest give back cold memory now")
+    p.add_argument("name")
+    p.add_argument("--max-bytes", help="give back at most this much, e.g. 512M (default: all)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds the guest may reclaim")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trim)
 
     p = fsub.add_parser("counters", help="thinvm counters and balloon stats of a guest")
     p.add_argument("name")

@@ -18,6 +18,8 @@ from thinvm.fleet import emulator
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import AGENT_PORT, DomainSpec, domain_xml
 from thinvm.guest.agent import AgentClient
+from thinvm.guest.trim import TrimResult, trim_guest
+from thinvm.host.memory import process_memory
 from thinvm.paths import REPO
 from thinvm.units import MiB
 
@@ -131,6 +133,39 @@ def agent_socket(host: Host, name: str) -> Path:
 
 def agent(host: Host, name: str) -> AgentClient:
     return AgentClient(str(agent_socket(host, name)))
+
+
+def qemu_pid(host: Host, name: str) -> int:
+    """The domain's QEMU process, from the pid file libvirt keeps."""
+    path = host.outside(f"/run/libvirt/qemu/{name}.pid")
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError) as exc:
+        raise ThinvmError(f"{name} on {host.name}: no QEMU pid in {path}") from exc
+
+
+def reporting_on(host: Host, name: str) -> bool:
+    """Whether the domain's balloon has free page reporting on."""
+    root = ET.fromstring(virsh(host, "dumpxml", name))
+    balloon = root.find("./devices/memballoon")
+    return balloon is not None and balloon.get("freePageReporting") == "on"
+
+
+def trim(host: Host, name: str, max_bytes: int = 0, timeout: float = 30.0) -> TrimResult:
+    """thinvm.guest.trim for a libvirt domain: the guest gives back cold
+    memory, and we wait until its QEMU's RSS has settled."""
+    pid = qemu_pid(host, name)
+    client = agent(host, name)
+    try:
+        return trim_guest(
+            client,
+            lambda: process_memory(pid).rss,
+            reporting_on(host, name),
+            max_bytes=max_bytes,
+            timeout=timeout,
+        )
+    finally:
+        client.close()
 
 
 def wait_booted(host: Host, name: str, timeout: float = BOOT_TIMEOUT) -> float:

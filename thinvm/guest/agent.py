@@ -148,3 +148,23 @@ class AgentClient:
                 f"{(result.stderr or result.stdout).strip()[-500:]}"
             )
         return result
+
+    def request_json(self, request: str, timeout: float = 60.0) -> Any:
+        """Send a one-line request answered with `JSON <n>` + n bytes
+        (TRIM and RECLAIM, docs/protocol/agent.md).  Returns None if the
+        agent answers `ERR unknown`: it predates the request."""
+        if self._sock is None:
+            self.wait_ready(min(timeout, SYNC_TIMEOUT))
+        deadline = time.monotonic() + timeout
+        try:
+            self._connect().sendall(request.encode() + b"\n")
+            header = self._read_line(deadline).decode(errors="replace").split()
+            if header == ["ERR", "unknown"]:
+                return None
+            if len(header) != 2 or header[0] != "JSON" or not header[1].isdigit():
+                raise GuestError(f"agent sent a bad reply header {header!r}")
+            body = self._read_exact(int(header[1]), deadline)
+        except TimeoutError as exc:
+            self.close()
+            raise GuestError(f"agent request {request!r} timed out after {timeout:.0f} s") from exc
+        return json.loads(body)

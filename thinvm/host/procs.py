@@ -1,7 +1,9 @@
-"""Processes on the host: identity over time, age, who holds a file."""
+"""Processes on the host: identity over time, age, who holds a file, CPU time."""
 
 import contextlib
 import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from thinvm.host import HostError
@@ -68,3 +70,169 @@ def users_of(path: str, exclude: int | None = None) -> list[int]:
                         users.append(int(entry.name))
                         break
     return users
+
+
+# -- CPU time per thread -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadCpu:
+    """One thread's name (comm) and CPU time so far (user + system, seconds)."""
+
+    name: str
+    cpu_s: float
+
+
+def parse_task_stat(stat: str, ticks_per_s: int) -> ThreadCpu:
+    """Name and utime + stime of /proc/PID/task/TID/stat text.
+
+    The name sits between the first '(' and the last ')' and may hold both;
+    utime and stime are fields 14 and 15 of proc(5), counted from that ')'.
+    """
+    head, _, tail = stat.rpartition(")")
+    fields = tail.split()
+    ticks = int(fields[11]) + int(fields[12])
+    return ThreadCpu(head.partition("(")[2], ticks / ticks_per_s)
+
+
+def process_cpu(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """CPU seconds of a whole process so far, None once it is gone.
+
+    Unlike the sum over its live threads, this includes the threads that
+    have exited: the kernel adds their time to the process's when they go.
+    """
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return parse_task_stat(stat, os.sysconf("SC_CLK_TCK")).cpu_s
+
+
+def thread_cpu(pid: int, proc: Path = Path("/proc")) -> dict[int, ThreadCpu]:
+    """CPU time of every live thread of `pid` by thread id; {} once it is gone.
+
+    Threads that exit while the task directory is read are left out.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    threads: dict[int, ThreadCpu] = {}
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            threads[int(task.name)] = parse_task_stat((task / "stat").read_text(), ticks)
+    return threads
+
+
+class ThreadCpuSampler:
+    """CPU seconds each thread of a process used between start() and stop().
+
+    Threads that exit in between (a migration's multifd channels do, as it
+    completes) still count: a background thread samples every `interval`
+    seconds and keeps each thread's last value.  What an exited thread used
+    after its last sample is not in used(), but it is in `process_cpu_s`,
+    the whole process's time over the same span; `exited` names the
+    threads that went.  Threads born in between count from zero.  Use as a
+    context manager, or call start() and stop().
+    """
+
+    def __init__(self, pid: int, interval: float = 0.1, proc: Path = Path("/proc")) -> None:
+        self.pid, self.interval, self.proc = pid, interval, proc
+        self._before: dict[int, ThreadCpu] = {}
+        self._last: dict[int, ThreadCpu] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._process_before: float | None = None
+        self.process_cpu_s: float | None = None  # set by stop()
+        self.exited: set[int] = set()  # set by stop()
+
+    def start(self) -> "ThreadCpuSampler":
+        self._process_before = process_cpu(self.pid, self.proc)
+        self._before = thread_cpu(self.pid, self.proc)
+        self._last = dict(self._before)
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[int, ThreadCpu]:
+        """Stop sampling; the CPU time each thread used since start()."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        live = self._sample()
+        after = process_cpu(self.pid, self.proc)
+        if after is not None and self._process_before is not None:
+            self.process_cpu_s = round(after - self._process_before, 6)
+        self.exited = set(self._last) - set(live)
+        return self.used()
+
+    def used(self) -> dict[int, ThreadCpu]:
+        """CPU time per thread since start(), as of the latest sample."""
+        with self._lock:
+            last = dict(self._last)
+        return {
+            tid: ThreadCpu(now.name, round(max(0.0, now.cpu_s - self._cpu_before(tid)), 6))
+            for tid, now in last.items()
+        }
+
+    def _cpu_before(self, tid: int) -> float:
+        before = self._before.get(tid)
+        return before.cpu_s if before is not None else 0.0
+
+    def _sample(self) -> dict[int, ThreadCpu]:
+        now = thread_cpu(self.pid, self.proc)
+        with self._lock:
+            self._last.update(now)
+        return now
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "ThreadCpuSampler":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- finding processes ---------------------------------------------------------
+
+
+def parse_stat_ppid(stat: str) -> int:
+    """Parent pid (field 4 of proc(5)) from /proc/PID/stat text."""
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def processes_named(prefix: str, proc: Path = Path("/proc")) -> dict[int, int]:
+    """pid -> parent pid of every process whose name (comm) starts with `prefix`.
+
+    comm holds at most 15 characters: "qemu-system-x86_64" shows as
+    "qemu-system-x86", so match on a prefix of that.
+    """
+    found: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            if stat.partition("(")[2].startswith(prefix):
+                found[int(entry.name)] = parse_stat_ppid(stat)
+    return found
+
+
+def descends_from(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
+    """Whether `ancestor` is `pid` or one of its parents, grandparents ..."""
+    seen: set[int] = set()
+    while pid > 1 and pid not in seen:
+        if pid == ancestor:
+            return True
+        seen.add(pid)
+        try:
+            pid = parse_stat_ppid((proc / str(pid) / "stat").read_text())
+        except (OSError, ValueError, IndexError):
+            return False
+    return pid == ancestor

@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
+from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
+from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
 
 NAME = "fleet-migrate"
@@ -46,12 +48,12 @@ def _cluster(link: str) -> Iterator[None]:
             _state.pop("cluster", None)
 
 
+def _qemu_pid(h: Host, name: str) -> int:
+    return int((Path(h.root) / "run" / "qemu" / f"{name}.pid").read_text().strip())
+
+
 def _qemu_rss(h: Host, name: str) -> int:
-    pid = int((Path(h.root) / "run" / "qemu" / f"{name}.pid").read_text().strip())
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise ThinvmError(f"no VmRSS for QEMU {pid}")
+    return process_memory(_qemu_pid(h, name)).rss
 
 
 def _settle_rss(h: Host, name: str, timeout: float = 60.0, quiet: float = 4.0) -> int:
@@ -127,7 +129,11 @@ def _measure(
     ctx.step("waiting for free page reporting to settle")
     src_rss = _settle_rss(src, GUEST)
     ctx.step("virsh migrate --live --p2p")
-    result = migrate.migrate(src, dst, GUEST, parallel=CHANNELS)
+    # The source only: libvirt starts the destination QEMU during the
+    # migration, so there is nothing to sample before it.  libvirt names
+    # QEMU's threads (debug-threads=on) by itself.
+    with MigrationCpu(_qemu_pid(src, GUEST), None) as cpu:
+        result = migrate.migrate(src, dst, GUEST, parallel=CHANNELS)
     dst_rss = _qemu_rss(dst, GUEST)
     client = guest.agent(dst, GUEST)
     try:
@@ -145,6 +151,7 @@ def _measure(
         "sparse_skipped_pages": result.ram.get("sparse-skipped"),
         "src_rss_bytes": src_rss,
         "dst_rss_bytes": dst_rss,
+        **cpu.metrics,
     }
 
 
@@ -215,7 +222,7 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
     )
 
 
-# The registry entry: ScenarioSpec(**SPEC) in thinvm.bench.scenarios.
+# The registry entry: ScenarioSpec(**SPEC) in thinvm.bench.scenarios.__init__.
 SPEC: dict[str, Any] = {
     "name": NAME,
     "title": "libvirt migration across a 10 Gbit/s cluster link: thinvm vs stock-best",

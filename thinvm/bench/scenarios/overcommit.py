@@ -8,7 +8,7 @@ same workload runs under five setups and, first, without any budget
 (the completion-time reference).
 
 Plot of the cgroup's memory over time, one line per variant:
-`python -m thinvm.bench.overcommit plot bench/results/overcommit-STAMP.json`.
+`python -m thinvm.bench.scenarios.overcommit plot bench/results/overcommit-STAMP.json`.
 """
 
 import contextlib
@@ -27,12 +27,12 @@ from thinvm.balance.backends import CgroupBudget, ThinvmBackend
 from thinvm.balance.daemon import Controller
 from thinvm.balance.model import VmLimits
 from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
-from thinvm.bench.harness import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.host.memory import host_meminfo
 from thinvm.units import MiB, format_size, parse_size
-from thinvm.vm.machine import VM, BalloonOptions, VMConfig
+from thinvm.vm.machine import VM, VMConfig
 
 FLOOR = 256 * MiB
 SLOW = 1.2  # a guest whose work took longer than this x unconstrained did not "fit"
@@ -193,17 +193,6 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
     )
     shared = Shared()
 
-    def config(name: str, reporting: bool) -> VMConfig:
-        return VMConfig(
-            name=name,
-            build=opts.build,
-            memory=size,
-            accel=opts.accel,
-            kernel=opts.kernel,
-            guest_driver=opts.driver,
-            balloon=BalloonOptions(free_page_reporting=reporting),
-        )
-
     def measure(setup: Setup, ctx: RunContext) -> Metrics:
         limit = budget if setup.limited else 64 * size * guests
         swap_before = swap_used()
@@ -211,7 +200,9 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             vms: list[VM] = []
             for i in range(guests):
                 ctx.step(f"booting guest {i + 1}/{guests}")
-                vms.append(_boot(cgroup, stack, config(f"oc{i}", setup.reporting)))
+                vms.append(
+                    _boot(cgroup, stack, opts.vm_config(f"oc{i}", size, reporting=setup.reporting))
+                )
             runs = [GuestRun(vm.config.name) for vm in vms]
             stop = threading.Event()
             threads = [
@@ -434,7 +425,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "plot":
         print(plot_memory(Path(argv[1])))
         return 0
-    print("usage: python -m thinvm.bench.overcommit plot RESULT.json", file=sys.stderr)
+    print("usage: python -m thinvm.bench.scenarios.overcommit plot RESULT.json", file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,735 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Guest reclaimer: proactive reclaim of cold page cache, gated by memory
+ * pressure, followed by compaction, so that free page reporting hands the
+ * freed memory back to the host in whole blocks.
+ *
+ * It lives in the agent, on a thread of its own, rather than in a separate
+ * daemon: the agent is what the host talks to, so the counters it reports
+ * and the on-demand trim it runs need no IPC, and both guest images already
+ * start (and restart) the agent.  The thread only ever sleeps, reads /proc
+ * and writes a few bytes to memory.reclaim; a lock keeps it and an
+ * on-demand trim from reclaiming at the same time.
+ *
+ * The mechanism is the root cgroup's memory.reclaim (Linux 5.19+, cgroup
+ * v2): the kernel picks the coldest pages from its own LRU (or MGLRU)
+ * lists, so we only decide how much and when.  The "when" is senpai's:
+ * small steps while the memory stall time that PSI reports stays low, and
+ * a back-off as soon as it rises or as soon as pages we evicted come back
+ * (workingset refaults).  docs/working-set.md explains the choice.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "reclaim.h"
+
+#define MiB			(1ULL << 20)
+#define PAGE_BYTES		4096ULL
+
+/*
+ * Never shrink the page cache (the file LRU lists) below the largest of
+ * these: a fixed minimum, a fraction of memory, and the kernel's own
+ * working-set estimate (the active file list) plus a margin.  What is
+ * left above the floor is what a step may take.
+ */
+#define FLOOR_MIN		(64 * MiB)
+#define FLOOR_TOTAL_DIV		32	/* 1/32 of MemTotal */
+#define FLOOR_MARGIN_DIV	64	/* active file + 1/64 of MemTotal */
+#define STEP_MIN		(4 * MiB)
+
+/* Background: 1% of memory per step, at most a 5% CPU duty cycle. */
+#define BG_STEP_DIV		100
+#define BG_TICK_MS		1000
+#define BG_IDLE_MS		5000	/* nothing to take: look again later */
+#define BG_DUTY_PCT		5
+#define BG_BACKOFF_MIN_MS	5000
+#define BG_BACKOFF_MAX_MS	60000
+#define BG_COMPACT_EVERY	(64 * MiB)
+
+/* On demand the host is waiting: larger steps, a 50% duty cycle. */
+#define TRIM_STEP_DIV		32
+#define TRIM_GAP_MS		100
+#define TRIM_DUTY_PCT		50
+#define TRIM_COOL_MS		500	/* wait after a back-off */
+#define TRIM_MAX_BACKOFFS	3	/* in a row: give up */
+#define TRIM_MAX_IDLE_STEPS	2	/* steps that freed nothing: give up */
+
+/*
+ * Back off when other tasks stalled on memory for more than 1% of the
+ * time since our last step (senpai's threshold is of that order), or
+ * when more than 1 MiB of evicted pages were faulted back in since the
+ * previous check: those were not cold.
+ */
+#define STALL_LIMIT_PERMILLE	10
+#define REFAULT_LIMIT_PAGES	256
+
+struct meminfo {
+	uint64_t total;
+	uint64_t free;
+	uint64_t available;
+	uint64_t cached;	/* Buffers + Cached */
+	uint64_t active_file;
+	uint64_t file_lru;	/* Active(file) + Inactive(file) */
+};
+
+/* A point in time: PSI's stall total and the kernel's page counters. */
+struct sample {
+	long long t_us;
+	uint64_t stall_us;	/* /proc/pressure/memory "some" total */
+	uint64_t refaults;	/* pages */
+	uint64_t steal;		/* pages reclaimed by anyone */
+};
+
+struct counters {
+	uint64_t reclaimed_bytes;
+	uint64_t steps;
+	uint64_t backoffs;
+	uint64_t refault_pages;
+	uint64_t compactions;
+	uint64_t trims;
+	uint64_t cpu_us;
+};
+
+struct reclaimer {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;	/* background switched on or off */
+	bool background;
+	bool available;
+	bool psi;
+	char reclaim_path[320];
+	char error[160];
+	unsigned long epoch;	/* bumped by every trim */
+	uint64_t last_refaults;	/* to count refaults seen while active */
+	struct counters c;
+};
+
+static struct reclaimer rc = {
+	.lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
+static long long mono_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+}
+
+static long long thread_cpu_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+	return ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+}
+
+static void nap_ms(long long ms)
+{
+	struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
+
+	while (ms > 0 && nanosleep(&ts, &ts) < 0 && errno == EINTR)
+		;
+}
+
+static ssize_t read_file(const char *path, char *buf, size_t size)
+{
+	ssize_t n, total = 0;
+	int fd;
+
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	while ((size_t)total < size - 1) {
+		n = read(fd, buf + total, size - 1 - total);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			break;
+		total += n;
+	}
+	close(fd);
+	buf[total] = '\0';
+	return total;
+}
+
+static int write_file(const char *path, const char *text)
+{
+	size_t len = strlen(text);
+	ssize_t n;
+	int fd, err;
+
+	fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -errno;
+	n = write(fd, text, len);
+	err = n < 0 ? -errno : 0;
+	close(fd);
+	return err;
+}
+
+static int read_meminfo(struct meminfo *m)
+{
+	static const struct {
+		const char *key;
+		size_t off;
+	} keys[] = {
+		{ "MemTotal:", offsetof(struct meminfo, total) },
+		{ "MemFree:", offsetof(struct meminfo, free) },
+		{ "MemAvailable:", offsetof(struct meminfo, available) },
+		{ "Buffers:", offsetof(struct meminfo, cached) },
+		{ "Cached:", offsetof(struct meminfo, cached) },
+		{ "Active(file):", offsetof(struct meminfo, active_file) },
+		{ "Active(file):", offsetof(struct meminfo, file_lru) },
+		{ "Inactive(file):", offsetof(struct meminfo, file_lru) },
+	};
+	char buf[8192], key[64];
+	unsigned long long kib;
+	char *line, *save;
+	size_t i;
+
+	memset(m, 0, sizeof(*m));
+	if (read_file("/proc/meminfo", buf, sizeof(buf)) <= 0)
+		return -1;
+	for (line = strtok_r(buf, "\n", &save); line;
+	     line = strtok_r(NULL, "\n", &save)) {
+		if (sscanf(line, "%63s %llu", key, &kib) != 2)
+			continue;
+		for (i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+			if (!strcmp(key, keys[i].key))
+				*(uint64_t *)((char *)m + keys[i].off) +=
+					kib * 1024;
+		}
+	}
+	return m->total ? 0 : -1;
+}
+
+/*
+ * Pages reclaimed by anyone (pgsteal_anon + pgsteal_file) and refaults
+ * of evicted pages (anon + file; one counter before 5.9).
+ */
+static int read_vmstat(uint64_t *steal, uint64_t *refaults)
+{
+	static char buf[16384];
+	unsigned long long v;
+	char *line, *save;
+	char key[64];
+
+	*steal = 0;
+	*refaults = 0;
+	if (read_file("/proc/vmstat", buf, sizeof(buf)) <= 0)
+		return -1;
+	for (line = strtok_r(buf, "\n", &save); line;
+	     line = strtok_r(NULL, "\n", &save)) {
+		if (sscanf(line, "%63s %llu", key, &v) != 2)
+			continue;
+		if (!strcmp(key, "pgsteal_anon") || !strcmp(key, "pgsteal_file"))
+			*steal += v;
+		else if (!strcmp(key, "workingset_refault_anon") ||
+			 !strcmp(key, "workingset_refault_file") ||
+			 !strcmp(key, "workingset_refault"))
+			*refaults += v;
+	}
+	return 0;
+}
+
+/* The "some" total of /proc/pressure/memory, in microseconds. */
+static int read_stall(uint64_t *us)
+{
+	unsigned long long total;
+	char buf[512];
+	char *p;
+
+	if (read_file("/proc/pressure/memory", buf, sizeof(buf)) <= 0)
+		return -1;
+	p = strstr(buf, "some ");
+	if (!p)
+		return -1;
+	p = strstr(p, "total=");
+	if (!p || sscanf(p, "total=%llu", &total) != 1)
+		return -1;
+	*us = total;
+	return 0;
+}
+
+/* Called with rc.lock held. */
+static void take_sample(struct sample *s, bool count_refaults)
+{
+	s->t_us = mono_us();
+	rc.psi = read_stall(&s->stall_us) == 0;
+	if (!rc.psi)
+		s->stall_us = 0;
+	read_vmstat(&s->steal, &s->refaults);
+	if (count_refaults && s->refaults > rc.last_refaults)
+		rc.c.refault_pages += s->refaults - rc.last_refaults;
+	rc.last_refaults = s->refaults;
+}
+
+/*
+ * Should we stop taking memory?  `quiet` was sampled right after our last
+ * step, so the stall time from there to `now` is other tasks' (reclaim
+ * itself can count as a stall); refaults count from `prev`, the check
+ * before, since a page we just evicted may come back during the step.
+ */
+static const char *pressure(const struct sample *prev,
+			    const struct sample *quiet,
+			    const struct sample *now)
+{
+	long long window = now->t_us - quiet->t_us;
+
+	/* A failed read leaves a counter at 0: never a reason to stop. */
+	if (now->refaults > prev->refaults &&
+	    now->refaults - prev->refaults > REFAULT_LIMIT_PAGES)
+		return "refaults";
+	if (rc.psi && window > 0 && now->stall_us > quiet->stall_us &&
+	    (now->stall_us - quiet->stall_us) * 1000 >
+	    (uint64_t)window * STALL_LIMIT_PERMILLE)
+		return "pressure";
+	return NULL;
+}
+
+static uint64_t floor_bytes(const struct meminfo *m)
+{
+	uint64_t floor = FLOOR_MIN;
+
+	if (m->total / FLOOR_TOTAL_DIV > floor)
+		floor = m->total / FLOOR_TOTAL_DIV;
+	if (m->active_file + m->total / FLOOR_MARGIN_DIV > floor)
+		floor = m->active_file + m->total / FLOOR_MARGIN_DIV;
+	return floor;
+}
+
+static uint64_t room(const struct meminfo *m)
+{
+	uint64_t floor = floor_bytes(m);
+
+	return m->file_lru > floor ? m->file_lru - floor : 0;
+}
+
+/*
+ * Ask the kernel for `bytes`; returns what the pgsteal counters say was
+ * reclaimed.  memory.reclaim fails with EAGAIN when it got less than
+ * asked, which is still progress; any other error disables us.
+ */
+static uint64_t reclaim_bytes(uint64_t bytes)
+{
+	uint64_t steal0, steal1, refaults;
+	long long cpu = thread_cpu_us();
+	char text[32];
+	int err;
+
+	read_vmstat(&steal0, &refaults);
+	snprintf(text, sizeof(text), "%" PRIu64, bytes);
+	err = write_file(rc.reclaim_path, text);
+	read_vmstat(&steal1, &refaults);
+	rc.c.cpu_us += thread_cpu_us() - cpu;
+	rc.c.steps++;
+	if (err && err != -EAGAIN) {
+		snprintf(rc.error, sizeof(rc.error), "memory.reclaim: %s",
+			 strerror(-err));
+		rc.available = false;
+		return 0;
+	}
+	if (steal1 < steal0)
+		return 0;
+	/*
+	 * Not capped at `bytes`: the kernel overshoots (it reclaims in
+	 * batches, memcg by memcg).  kswapd may add to the count meanwhile,
+	 * but then memory is short and the next check backs off.
+	 */
+	steal1 = (steal1 - steal0) * PAGE_BYTES;
+	rc.c.reclaimed_bytes += steal1;
+	return steal1;
+}
+
+/* Gather free pages into whole blocks, which is what reporting sends. */
+static bool compact(void)
+{
+	long long cpu = thread_cpu_us();
+	int err;
+
+	err = write_file("/proc/sys/vm/compact_memory", "1");
+	rc.c.cpu_us += thread_cpu_us() - cpu;
+	if (err)
+		return false;
+	rc.c.compactions++;
+	return true;
+}
+
+/* Sleep long enough that `cpu_us` of work is at most duty_pct of the time. */
+static long long duty_sleep_ms(long long cpu_us, int duty_pct, long long min_ms)
+{
+	long long ms = cpu_us * (100 - duty_pct) / duty_pct / 1000;
+
+	return ms > min_ms ? ms : min_ms;
+}
+
+/* Find the root cgroup's memory.reclaim; called with rc.lock held. */
+static void probe(void)
+{
+	char mnt[256], type[64], line[1024];
+	bool found = false;
+	FILE *f;
+
+	if (rc.available)
+		return;
+	f = fopen("/proc/self/mounts", "re");
+	while (f && fgets(line, sizeof(line), f)) {
+		if (sscanf(line, "%*s %255s %63s", mnt, type) == 2 &&
+		    !strcmp(type, "cgroup2")) {
+			found = true;
+			break;
+		}
+	}
+	if (f)
+		fclose(f);
+	if (!found) {
+		snprintf(rc.error, sizeof(rc.error), "no cgroup2 mount");
+		return;
+	}
+	snprintf(rc.reclaim_path, sizeof(rc.reclaim_path),
+		 "%s/memory.reclaim", mnt);
+	if (access(rc.reclaim_path, W_OK)) {
+		snprintf(rc.error, sizeof(rc.error), "memory.reclaim in %.64s: %s",
+			 mnt, strerror(errno));
+		return;
+	}
+	rc.available = true;
+	rc.error[0] = '\0';
+}
+
+/*
+ * With MGLRU on, the active file list is the two youngest generations,
+ * where page cache read through read() rarely goes: the floor's working
+ * set estimate sees nothing, and only refaults (and MGLRU's own tiers,
+ * once it saw them) protect a hot set.  Reported so the host knows.
+ */
+static bool lru_gen_enabled(void)
+{
+	char buf[32];
+
+	if (read_file("/sys/kernel/mm/lru_gen/enabled", buf, sizeof(buf)) <= 0)
+		return false;
+	return strtoul(buf, NULL, 0) != 0;
+}
+
+/* Wait up to `ms` or until the mode changes; called with rc.lock held. */
+static void wait_locked(long long ms)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	ts.tv_sec += ms / 1000;
+	ts.tv_nsec += (ms % 1000) * 1000000L;
+	if (ts.tv_nsec >= 1000000000L) {
+		ts.tv_sec++;
+		ts.tv_nsec -= 1000000000L;
+	}
+	pthread_cond_timedwait(&rc.cond, &rc.lock, &ts);
+}
+
+struct bg_state {
+	unsigned long epoch;
+	bool fresh;		/* no samples yet: next tick only measures */
+	struct sample prev, quiet;
+	long long backoff_ms;
+	uint64_t since_compact;
+};
+
+/* One background tick with rc.lock held; returns how long to wait. */
+static long long background_tick(struct bg_state *st)
+{
+	struct meminfo m;
+	struct sample now;
+	uint64_t step, got;
+	long long cpu;
+
+	if (st->fresh || st->epoch != rc.epoch) {
+		/* Just switched on, or a trim ran: start a clean window. */
+		take_sample(&st->prev, false);
+		st->quiet = st->prev;
+		st->epoch = rc.epoch;
+		st->fresh = false;
+		return BG_TICK_MS;
+	}
+	take_sample(&now, true);
+	if (pressure(&st->prev, &st->quiet, &now)) {
+		rc.c.backoffs++;
+		st->backoff_ms = st->backoff_ms ?
+			st->backoff_ms * 2 : BG_BACKOFF_MIN_MS;
+		if (st->backoff_ms > BG_BACKOFF_MAX_MS)
+			st->backoff_ms = BG_BACKOFF_MAX_MS;
+		st->prev = st->quiet = now;
+		return st->backoff_ms;
+	}
+	st->backoff_ms = 0;
+	st->prev = now;
+	if (read_meminfo(&m) || room(&m) < STEP_MIN) {
+		if (st->since_compact && compact())
+			st->since_compact = 0;
+		take_sample(&st->quiet, true);
+		st->prev = st->quiet;
+		return BG_IDLE_MS;
+	}
+	step = m.total / BG_STEP_DIV;
+	if (step < STEP_MIN)
+		step = STEP_MIN;
+	if (step > room(&m))
+		step = room(&m);
+	cpu = thread_cpu_us();
+	got = reclaim_bytes(step);
+	st->since_compact += got;
+	if (st->since_compact >= BG_COMPACT_EVERY && compact())
+		st->since_compact = 0;
+	cpu = thread_cpu_us() - cpu;
+	take_sample(&st->quiet, true);
+	if (got < step / 4)
+		return BG_IDLE_MS;
+	return duty_sleep_ms(cpu, BG_DUTY_PCT, BG_TICK_MS);
+}
+
+static void *background_main(void *unused)
+{
+	struct bg_state st = { .fresh = true };
+	long long wait_ms;
+
+	(void)unused;
+	pthread_mutex_lock(&rc.lock);
+	for (;;) {
+		while (!rc.background) {
+			st.fresh = true;
+			pthread_cond_wait(&rc.cond, &rc.lock);
+		}
+		probe();
+		if (!rc.available) {
+			wait_locked(BG_IDLE_MS);
+			continue;
+		}
+		wait_ms = background_tick(&st);
+		wait_locked(wait_ms);
+	}
+	return NULL;
+}
+
+void reclaim_init(bool background)
+{
+	pthread_condattr_t attr;
+	pthread_t thread;
+
+	pthread_condattr_init(&attr);
+	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+	pthread_cond_init(&rc.cond, &attr);
+	pthread_condattr_destroy(&attr);
+
+	pthread_mutex_lock(&rc.lock);
+	rc.background = background;
+	probe();
+	pthread_mutex_unlock(&rc.lock);
+	if (pthread_create(&thread, NULL, background_main, NULL)) {
+		/* Trims still work on the main thread; only the mode is lost. */
+		fprintf(stderr, "thinvm-agent: no reclaim thread: %s\n",
+			strerror(errno));
+		rc.background = false;
+		return;
+	}
+	pthread_detach(thread);
+	if (background)
+		fputs("thinvm-agent: background reclaim on\n", stderr);
+}
+
+/* Append the status object's members; called with rc.lock held. */
+static int status_members(char *out, size_t size)
+{
+	return snprintf(out, size,
+		"\"available\":%s,\"background\":%s,\"psi\":%s,\"lru_gen\":%s,"
+		"\"error\":\"%s\",\"reclaimed_bytes\":%" PRIu64
+		",\"steps\":%" PRIu64 ",\"backoffs\":%" PRIu64
+		",\"refault_pages\":%" PRIu64 ",\"compactions\":%" PRIu64
+		",\"trims\":%" PRIu64 ",\"cpu_ms\":%" PRIu64,
+		rc.available ? "true" : "false",
+		rc.background ? "true" : "false",
+		rc.psi ? "true" : "false", lru_gen_enabled() ? "true" : "false",
+		rc.error,
+		rc.c.reclaimed_bytes, rc.c.steps, rc.c.backoffs,
+		rc.c.refault_pages, rc.c.compactions, rc.c.trims,
+		rc.c.cpu_us / 1000);
+}
+
+static int status_locked(char *out, size_t size)
+{
+	int n;
+
+	n = snprintf(out, size, "{");
+	n += status_members(out + n, size - n);
+	n += snprintf(out + n, size - n, "}");
+	return (size_t)n < size ? n : -1;
+}
+
+int reclaim_status(char *out, size_t size)
+{
+	uint64_t stall;
+	int n;
+
+	pthread_mutex_lock(&rc.lock);
+	probe();
+	rc.psi = read_stall(&stall) == 0;
+	n = status_locked(out, size);
+	pthread_mutex_unlock(&rc.lock);
+	return n;
+}
+
+int reclaim_set_background(bool on, char *out, size_t size)
+{
+	pthread_mutex_lock(&rc.lock);
+	rc.background = on;
+	pthread_cond_broadcast(&rc.cond);
+	pthread_mutex_unlock(&rc.lock);
+	return reclaim_status(out, size);
+}
+
+struct trim {
+	uint64_t max_bytes;
+	long long deadline_us;
+	uint64_t reclaimed;
+	uint64_t steps;
+	uint64_t backoffs;
+	uint64_t refaults_before;
+	const char *stop;
+};
+
+static long long remaining_ms(const struct trim *t)
+{
+	long long us = t->deadline_us - mono_us();
+
+	return us > 0 ? us / 1000 : 0;
+}
+
+static void nap_within(const struct trim *t, long long ms)
+{
+	long long left = remaining_ms(t);
+
+	nap_ms(ms < left ? ms : left);
+}
+
+/* The trim loop proper, with rc.lock held. */
+static void trim_loop(struct trim *t, uint64_t step_max)
+{
+	struct sample prev, quiet, now;
+	unsigned int in_row = 0, idle = 0;
+	const char *why;
+	struct meminfo m;
+	uint64_t step, got;
+	long long cpu;
+
+	take_sample(&prev, false);
+	quiet = prev;
+	t->refaults_before = prev.refaults;
+	for (;;) {
+		if (!remaining_ms(t)) {
+			t->stop = "timeout";
+			return;
+		}
+		if (t->max_bytes && t->reclaimed >= t->max_bytes) {
+			t->stop = "max_bytes";
+			return;
+		}
+		if (read_meminfo(&m) || room(&m) < STEP_MIN) {
+			t->stop = "floor";
+			return;
+		}
+		take_sample(&now, true);
+		why = pressure(&prev, &quiet, &now);
+		prev = now;
+		if (why) {
+			t->backoffs++;
+			rc.c.backoffs++;
+			if (++in_row >= TRIM_MAX_BACKOFFS) {
+				t->stop = why;
+				return;
+			}
+			nap_within(t, TRIM_COOL_MS);
+			take_sample(&quiet, true);
+			prev = quiet;
+			continue;
+		}
+		in_row = 0;
+		step = room(&m) < step_max ? room(&m) : step_max;
+		if (t->max_bytes && step > t->max_bytes - t->reclaimed)
+			step = t->max_bytes - t->reclaimed;
+		cpu = thread_cpu_us();
+		got = reclaim_bytes(step);
+		cpu = thread_cpu_us() - cpu;
+		t->reclaimed += got;
+		t->steps++;
+		if (!rc.available) {
+			t->stop = "error";
+			return;
+		}
+		idle = got ? 0 : idle + 1;
+		if (idle >= TRIM_MAX_IDLE_STEPS) {
+			t->stop = "no_progress";
+			return;
+		}
+		take_sample(&quiet, true);
+		nap_within(t, duty_sleep_ms(cpu, TRIM_DUTY_PCT, TRIM_GAP_MS));
+	}
+}
+
+int reclaim_trim(uint64_t max_bytes, unsigned int timeout_ms, char *out,
+		 size_t size)
+{
+	struct trim t = { .max_bytes = max_bytes };
+	struct meminfo before, after;
+	long long start = mono_us();
+	struct sample end;
+	uint64_t step;
+	bool compacted = false;
+	int n;
+
+	pthread_mutex_lock(&rc.lock);
+	probe();
+	if (!rc.available) {
+		n = status_locked(out, size);
+		pthread_mutex_unlock(&rc.lock);
+		return n;
+	}
+	rc.epoch++;
+	rc.c.trims++;
+	t.deadline_us = start + timeout_ms * 1000LL;
+	read_meminfo(&before);
+	step = before.total / TRIM_STEP_DIV;
+	if (step < STEP_MIN)
+		step = STEP_MIN;
+	trim_loop(&t, step);
+	if (t.reclaimed)
+		compacted = compact();
+	take_sample(&end, true);
+	read_meminfo(&after);
+	n = snprintf(out, size,
+		"{\"reclaimed_bytes_trim\":%" PRIu64 ",\"steps_trim\":%" PRIu64
+		",\"backoffs_trim\":%" PRIu64 ",\"refault_pages_trim\":%" PRIu64
+		",\"compacted\":%s,\"stop\":\"%s\",\"elapsed_ms\":%lld"
+		",\"floor_bytes\":%" PRIu64 ",\"cache_before\":%" PRIu64
+		",\"cache_after\":%" PRIu64 ",\"free_before\":%" PRIu64
+		",\"free_after\":%" PRIu64 ",",
+		t.reclaimed, t.steps, t.backoffs,
+		end.refaults > t.refaults_before ?
+			end.refaults - t.refaults_before : 0,
+		compacted ? "true" : "false", t.stop,
+		(mono_us() - start) / 1000, floor_bytes(&after),
+		before.cached, after.cached, before.free, after.free);
+	if (n > 0 && (size_t)n < size)
+		n += status_members(out + n, size - n);
+	if (n > 0 && (size_t)n < size)
+		n += snprintf(out + n, size - n, "}");
+	pthread_mutex_unlock(&rc.lock);
+	return n > 0 && (size_t)n < size ? n : -1;
+}

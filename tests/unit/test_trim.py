@@ -1,0 +1,116 @@
+"""thinvm.guest.trim against fake agents: every way a guest can fail to trim."""
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from thinvm.guest import trim
+from thinvm.guest.agent import AgentClient
+
+Answer = Callable[[str], bytes | None]
+
+
+def serve(path: Path, answer: Answer) -> threading.Thread:
+    """A one-connection agent: PONGs, and answers other lines with answer()."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def run() -> None:
+        conn, _ = server.accept()
+        buf = b""
+        with conn:
+            while True:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, _, buf = buf.partition(b"\n")
+                    text = line.decode()
+                    if text.startswith("PING "):
+                        conn.sendall(f"PONG {text[5:]}\n".encode())
+                        continue
+                    reply = answer(text)
+                    if reply is not None:
+                        conn.sendall(reply)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def json_reply(data: object) -> bytes:
+    body = json.dumps(data).encode()
+    return b"JSON %d\n" % len(body) + body
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Callable[[Answer], AgentClient]]:
+    clients: list[AgentClient] = []
+
+    def make(answer: Answer) -> AgentClient:
+        path = tmp_path / "agent.sock"
+        serve(path, answer)
+        client = AgentClient(str(path))
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def test_old_agent_is_reported_not_raised(agent: Callable[[Answer], AgentClient]) -> None:
+    reply, why = trim.request_trim(agent(lambda line: b"ERR unknown\n"))
+    assert reply is None and "predates trimming" in why
+
+
+def test_guest_without_memory_reclaim(agent: Callable[[Answer], AgentClient]) -> None:
+    client = agent(lambda line: json_reply({"available": False, "error": "no cgroup2 mount"}))
+    reply, why = trim.request_trim(client)
+    assert reply is None and why == "the guest has no usable reclaimer: no cgroup2 mount"
+
+
+def test_silent_agent_times_out_quickly(
+    agent: Callable[[Answer], AgentClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trim, "COMPACT_SLACK", 0.5)
+    reply, why = trim.request_trim(agent(lambda line: None), timeout=0.5)
+    assert reply is None and "did not answer the trim request" in why
+
+
+def test_absent_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trim, "SYNC_TIMEOUT", 0.5)
+    reply, why = trim.request_trim(AgentClient(str(tmp_path / "nobody.sock")))
+    assert reply is None and "did not answer within" in why
+
+
+def test_request_carries_bounds_and_returns_the_answer(
+    agent: Callable[[Answer], AgentClient],
+) -> None:
+    seen: list[str] = []
+    answer = {"available": True, "reclaimed_bytes_trim": 5 << 20, "stop": "floor"}
+
+    def respond(line: str) -> bytes:
+        seen.append(line)
+        return json_reply(answer)
+
+    reply, why = trim.request_trim(agent(respond), max_bytes=64 << 20, timeout=2.5)
+    assert (reply, why) == (answer, "")
+    assert seen == [f"TRIM {64 << 20} 2500"]
+
+
+def test_wait_settled_stops_once_rss_is_quiet() -> None:
+    values = iter([1000 << 20, 900 << 20, 700 << 20, 600 << 20] + [599 << 20] * 100)
+    rss, seconds = trim.wait_settled(lambda: next(values), timeout=30, quiet=0.2, poll=0.05)
+    assert rss == 599 << 20 and seconds < 5
+
+
+def test_describe_untrimmed_is_one_line() -> None:
+    result = trim.TrimResult(False, "the guest agent did not answer within 10 s", 5, 5, 0.0)
+    assert result.describe("vm1") == "vm1: not trimmed: the guest agent did not answer within 10 s"

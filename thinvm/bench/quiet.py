@@ -1,0 +1,80 @@
+"""The quiet gate: a run starts only when the machine is quiet, or after a bounded wait.
+
+On a shared 2-core machine another engineer's QEMU build or TCG guest
+doubles a migration's wall time; numbers taken then compare the neighbours,
+not the variants.  Before every run the harness waits until the 1-minute
+load average is below `max_load` and no QEMU runs that is not the harness's
+own (its own are its descendants), for at most `max_wait_s`; then it runs
+anyway and records that the machine was not quiet.  What it saw goes into
+the run's record, so a reader can tell a quiet result from a noisy one.
+"""
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from thinvm.host.procs import descends_from, processes_named
+
+QEMU_PREFIX = "qemu-system"  # comm of qemu-system-x86_64 and friends, cut to 15 chars
+
+
+@dataclass(frozen=True)
+class QuietGate:
+    """When the machine counts as quiet, and how long to wait for it."""
+
+    # Our own previous run leaves the 1-minute average high for a while; on
+    # 2 CPUs 1.0 means "one core's worth of other work", which is noise.
+    max_load: float = 1.0
+    max_wait_s: float = 600.0
+    poll_s: float = 5.0
+
+    def as_record(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Observation:
+    load: float  # 1-minute load average
+    other_qemu: int  # QEMU processes that are not the harness's own
+
+
+def foreign_qemu_count(own: int | None = None) -> int:
+    """QEMU processes on the host that `own` (default: this process) did not start."""
+    own = os.getpid() if own is None else own
+    return sum(1 for pid in processes_named(QEMU_PREFIX) if not descends_from(pid, own))
+
+
+def observe() -> Observation:
+    return Observation(round(os.getloadavg()[0], 2), foreign_qemu_count())
+
+
+def is_quiet(seen: Observation, gate: QuietGate) -> bool:
+    return seen.load < gate.max_load and seen.other_qemu == 0
+
+
+def wait_quiet(
+    gate: QuietGate,
+    look: Callable[[], Observation] = observe,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    on_wait: Callable[[Observation, float], None] = lambda _seen, _waited: None,
+) -> dict[str, object]:
+    """Wait (bounded) for a quiet machine; what was seen when the run starts.
+
+    {"load", "other_qemu", "waited_s", "quiet"}: quiet is False when the
+    wait ran out and the run started anyway.
+    """
+    start = clock()
+    while True:
+        seen = look()
+        waited = clock() - start
+        if is_quiet(seen, gate) or waited >= gate.max_wait_s:
+            return {
+                "load": seen.load,
+                "other_qemu": seen.other_qemu,
+                "waited_s": round(waited, 1),
+                "quiet": is_quiet(seen, gate),
+            }
+        on_wait(seen, waited)
+        sleep(min(gate.poll_s, gate.max_wait_s - waited))

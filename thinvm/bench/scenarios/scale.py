@@ -1,0 +1,280 @@
+"""Freshly booted guests of growing size: migrate-scale and migrate-compress."""
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from thinvm.bench.scenarios.common import (
+    Candidate,
+    fits_reserved,
+    migration_rows,
+    verify_pattern,
+)
+from thinvm.bench.scenarios.params import (
+    float_param,
+    int_param,
+    size_param,
+)
+from thinvm.bench.scenarios.transport import (
+    CHANNELS,
+    MIGRATION_PARAMS,
+    Transport,
+)
+from thinvm.bench.types import BenchOptions, Best, Metrics, RunContext, Scenario, Target, Variant
+from thinvm.errors import ThinvmError
+from thinvm.guest import workload
+from thinvm.units import GiB, MiB, format_size
+from thinvm.vm.machine import VM
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
+
+
+def scale_sizes(largest: int, smallest: int = 2 * GiB) -> list[int]:
+    """2, 4, 8 ... GiB up to `largest` (or just `largest` if it is smaller)."""
+    sizes, size = [], min(smallest, largest)
+    while size <= largest:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def _size_name(size: int) -> str:
+    return f"{size // GiB}G" if size % GiB == 0 else f"{size // MiB}M"
+
+
+STRUCT_PAGE_BYTES = 64  # sizeof(struct page) in Debian's x86_64 kernels
+PAGE_BYTES = 4096  # a normal page of guest RAM as migration counts it
+SCALE_SEED = 5
+
+
+def memmap_bytes(zoneinfo: str) -> int:
+    """The struct page array for the pages /proc/zoneinfo calls present.
+
+    It grows with guest RAM and is initialised at boot, so every byte of
+    it is data a migration has to send, sparse or not.
+    """
+    fields = (line.split() for line in zoneinfo.splitlines())
+    return sum(int(f[1]) for f in fields if f[:1] == ["present"]) * STRUCT_PAGE_BYTES
+
+
+def guest_memmap_bytes(vm: VM) -> int:
+    return memmap_bytes(vm.agent.check("cat /proc/zoneinfo").stdout)
+
+
+def fresh_guest_migration(
+    opts: BenchOptions,
+    memory: int,
+    stack: Stack,
+    transport: Transport,
+    *,
+    used: int,
+    idle: float,
+    params: dict[str, Any] | None = None,
+) -> Callable[[RunContext], Metrics]:
+    """A freshly booted guest writes `used` bytes of data, idles and migrates
+    with `params` on top of the usual ones; the destination verifies the data."""
+
+    def run(ctx: RunContext) -> Metrics:
+        # Untouched guest RAM costs nothing; reserve=off only where the
+        # kernel's overcommit heuristic would refuse the mapping.
+        config = opts.vm_config("b-scale", memory, stack, reserve=fits_reserved(memory))
+        with transport.start(config) as src:
+            ctx.note("boot_s", src.boot_seconds)
+            if used:
+                ctx.step(f"guest writes a {format_size(used)} pattern")
+                workload.pattern_write(src.agent, used, SCALE_SEED)
+            time.sleep(idle)
+            metrics: Metrics = {
+                "src_rss_bytes": src.host_memory().rss,
+                "guest_memmap_bytes": guest_memmap_bytes(src),
+            }
+            with transport.start(config, incoming=True) as dst:
+                migrated = transport.migrate(src, dst, ctx, stack.caps, params)
+                metrics.update(migrated.metrics)
+                # What the pages sent held before any compression.
+                metrics["payload_bytes"] = migrated.result.normal_pages * PAGE_BYTES
+                metrics["dst_rss_bytes"] = dst.host_memory().rss
+                if used:
+                    verify_pattern(dst, ctx, SCALE_SEED)
+        return metrics
+
+    return run
+
+
+def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = float_param(params, "idle")
+    used, smallest = size_param(params, "used"), size_param(params, "from")
+    transport = Transport(opts.net)
+
+    def variant(memory: int, c: Candidate) -> Callable[[RunContext], Metrics]:
+        return fresh_guest_migration(
+            opts, memory, c.stack, transport, used=used, idle=idle, params=c.params
+        )
+
+    sizes = scale_sizes(size, smallest)
+    variants: list[Variant] = []
+    best: list[Best] = []
+    for s in sizes:
+        # Each size's rows against stock-best of that size; its stock-best
+        # against the first size's (growth).
+        rows = migration_rows(
+            functools.partial(variant, s),
+            prefix=f"{_size_name(s)}-",
+            what=f"{format_size(s)} guest; ",
+            reference=f"{_size_name(s)}-stock-best",
+        )
+        variants += rows[0]
+        best += rows[1]
+    first, last = _size_name(sizes[0]), _size_name(sizes[-1])
+    targets = [
+        Target(
+            f"issue 13: at fixed used memory, thinvm migrates a {format_size(sizes[-1])} "
+            f"guest within 1.5x of the time of a {format_size(sizes[0])} one",
+            f"{last}-thinvm",
+            f"{first}-thinvm",
+            "migration_ms",
+            at_most=1.5,
+        )
+    ]
+    return Scenario(
+        name="migrate-scale",
+        title="migration time and bytes vs guest size at fixed used memory",
+        description=(
+            f"Freshly booted guests of {', '.join(format_size(s) for s in sizes)} "
+            + (f"write the same {format_size(used)} pattern into tmpfs, " if used else "")
+            + f"idle {idle:g} s and live-migrate; "
+            + ("the destination verifies the pattern. " if used else "")
+            + "Apart from that, almost all of their RAM was never touched: stock "
+            "migration scans it as zero pages (multifd: in its channels), sparse-ram "
+            "skips it unread. What "
+            "still grows with the guest is its kernel's struct page array "
+            f"({STRUCT_PAGE_BYTES} B per 4 KiB page, column guest_memmap_bytes), "
+            "which the guest initialised at boot and which has to travel. Each "
+            f"size's stock-best is compared with {first}-stock-best (growth), every "
+            "other row with stock-best of the same size."
+        ),
+        variants=variants,
+        best=best,
+        baseline=f"{first}-stock-best",
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={
+            "sizes": [format_size(s) for s in sizes],
+            "used": format_size(used),
+            "idle_s": idle,
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+            **CHANNELS,
+        },
+        context=transport.session,
+        targets=targets if len(sizes) > 1 else [],
+    )
+
+
+COMPRESSIONS = ("none", "zlib")  # zstd is not compiled into our QEMU builds
+
+
+def link_name(mbps: int) -> str:
+    """1000 -> '1gbit', 400 -> '400mbit': the link a bandwidth cap models."""
+    return f"{mbps // 1000}gbit" if mbps % 1000 == 0 else f"{mbps}mbit"
+
+
+def compress_params(compression: str, cap_mbps: int | None) -> dict[str, Any]:
+    """Migration parameters of one migrate-compress variant."""
+    if compression not in COMPRESSIONS:
+        raise ThinvmError(
+            f"--param compression={compression!r}: choose one of {', '.join(COMPRESSIONS)}"
+        )
+    params: dict[str, Any] = {"multifd-compression": compression}
+    if cap_mbps is not None:
+        # max-bandwidth is in bytes per second; a 1 Gbit/s link moves 125 MB/s.
+        params["max-bandwidth"] = cap_mbps * 1_000_000 // 8
+    return params
+
+
+def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    idle = float_param(params, "idle")
+    used = size_param(params, "used")
+    cap = int_param(params, "cap_mbps")
+    if cap <= 0:
+        raise ThinvmError(f"--param cap_mbps={cap}: want a positive link speed in Mbit/s")
+    compression = params["compression"]
+    compress_params(compression, None)  # refuse an unknown method before any run
+    if compression == "none":
+        raise ThinvmError("--param compression=none: name the method to compare with none")
+    transport = Transport(opts.net)
+    link = link_name(cap)
+
+    def variant(stack: Stack, method: str, capped: bool) -> Callable[[RunContext], Metrics]:
+        extra = compress_params(method, cap if capped else None)
+        return fresh_guest_migration(
+            opts, size, stack, transport, used=used, idle=idle, params=extra
+        )
+
+    def name(stack: str, method: str, capped: bool) -> str:
+        return stack + (f"-{method}" if method != "none" else "") + (f"-{link}" if capped else "")
+
+    # Compression against none on fixed stacks: what pays is the question
+    # here, not which stock configuration is best.
+    stacks = {
+        "stock-best": (STOCK_BEST, "stock QEMU and driver; hinting + reporting, multifd"),
+        "thinvm": (
+            THINVM,
+            "patched QEMU, our driver; hinting + reporting + page ranges, sparse-ram, "
+            "multifd (2 channels)",
+        ),
+    }
+    variants = []
+    for capped in (False, True):
+        where = f"max-bandwidth {cap} Mbit/s ({link} link)" if capped else "uncapped"
+        best, thinvm = name("stock-best", "none", capped), name("thinvm", "none", capped)
+        variants += [
+            Variant(
+                best,
+                variant(stacks["stock-best"][0], "none", capped),
+                f"{stacks['stock-best'][1]}; no compression; {where}",
+            ),
+            Variant(
+                thinvm,
+                variant(stacks["thinvm"][0], "none", capped),
+                f"{stacks['thinvm'][1]}; no compression; {where}",
+                reference=best if capped else None,
+            ),
+            Variant(
+                name("thinvm", compression, capped),
+                variant(stacks["thinvm"][0], compression, capped),
+                f"thinvm with multifd-compression={compression}; {where}",
+                reference=thinvm,
+            ),
+        ]
+    return Scenario(
+        name="migrate-compress",
+        title=f"does multifd compression ({compression}) pay for a big guest's own memory?",
+        description=(
+            f"A freshly booted {format_size(size)} guest writes a {format_size(used)} "
+            f"pattern into tmpfs, idles {idle:g} s and live-migrates, as in migrate-scale; "
+            "the destination verifies the pattern. Most of what thinvm still sends is "
+            "populated memory the guest never wrote itself: its kernel's struct page "
+            f"array ({STRUCT_PAGE_BYTES} B per 4 KiB page, column guest_memmap_bytes), "
+            "initialised at boot, repetitive and compressible. thinvm migrates with "
+            f"`multifd-compression` none and {compression} (both sides, 2 channels), "
+            f"uncapped and with `max-bandwidth` {cap * 1_000_000 // 8:,} B/s (a {link} "
+            f"link); {compression} is compared with none at the same cap, thinvm with "
+            "stock-best at the same cap. Payload is the normal pages sent times 4 KiB, what the "
+            "pages held before compression; bytes sent is what went over the wire."
+        ),
+        variants=variants,
+        main_metric="migration_ms",
+        second_metric="transferred_bytes",
+        params={
+            "size": format_size(size),
+            "used": format_size(used),
+            "idle_s": idle,
+            "compression": compression,
+            "cap_mbps": cap,
+            "net": opts.net,
+            **MIGRATION_PARAMS,
+            **CHANNELS,
+        },
+        context=transport.session,
+    )

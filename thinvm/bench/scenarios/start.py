@@ -1,0 +1,77 @@
+"""start: VM launch to guest agent ready, preallocated or from a warm pool."""
+
+import time
+from collections.abc import Callable
+
+from thinvm import pool
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
+from thinvm.errors import ThinvmError
+from thinvm.host.procs import process_age
+from thinvm.units import format_size
+from thinvm.vm.machine import VM
+
+
+def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    def variant(prealloc: bool, threads: int) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            config = opts.vm_config("b-start", size, prealloc=prealloc, prealloc_threads=threads)
+            vm = VM(config)
+            with vm.start(wait_agent=False):
+                assert vm.pid is not None
+                qmp_s = process_age(vm.pid)
+                ctx.step("waiting for the guest agent")
+                vm.wait_agent()
+                boot_s = process_age(vm.pid)
+                mem = vm.host_memory()
+            return {
+                "boot_s": boot_s,
+                "qmp_s": qmp_s,
+                "rss_after_bytes": mem.rss,
+                "thp_after_bytes": mem.anon_huge,
+            }
+
+        return run
+
+    def pool_variant(kind: str) -> Callable[[RunContext], Metrics]:
+        def run(ctx: RunContext) -> Metrics:
+            ctx.step(f"filling a {kind} pool slot")
+            began = time.monotonic()
+            with pool.temporary_pool(kind, size, tag=f"b-start-{kind}") as warm:
+                fill_s = time.monotonic() - began
+                start = pool.start_from_pool(opts.vm_config("b-start", size), warm.root)
+                with start.vm as vm:
+                    if not start.pooled:
+                        raise ThinvmError(f"no warm slot: {start.lease}")
+                    mem = vm.host_memory()
+            # QEMU's RSS leaves out hugetlbfs memory: not comparable across kinds.
+            return {
+                "boot_s": start.agent_s,
+                "qmp_s": start.qmp_s,
+                "rss_after_bytes": mem.rss,
+                "thp_after_bytes": mem.anon_huge,
+                "pool_fill_s": fill_s,
+            }
+
+        return run
+
+    return Scenario(
+        name="start",
+        title="VM start: launch to guest agent ready, preallocated RAM",
+        description=(
+            f"A {format_size(size)} guest starts with all of its RAM preallocated "
+            "(`prealloc=on` on the memory backend, 1 or 2 `prealloc-threads`), compared "
+            "with no preallocation. Times are from the QEMU process's start (its "
+            "/proc start time) to QMP answering (preallocation is done by then) and to "
+            "the guest agent answering."
+        ),
+        variants=[
+            Variant("prealloc-1", variant(True, 1), "prealloc=on, 1 thread"),
+            Variant("prealloc-2", variant(True, 2), "prealloc=on, 2 threads"),
+            Variant("no-prealloc", variant(False, 1), "prealloc=off (reference)"),
+            Variant("pool-hugetlbfs", pool_variant("hugetlbfs"), "warm pool slot on hugetlbfs"),
+            Variant("pool-tmpfs", pool_variant("tmpfs"), "warm pool slot on tmpfs"),
+        ],
+        main_metric="qmp_s",
+        second_metric="boot_s",
+        params={"size": format_size(size)},
+    )

@@ -1,0 +1,178 @@
+"""Host-driven trim: a guest gives back cold memory now (docs/working-set.md).
+
+The guest's agent reclaims cold page cache (TRIM, docs/protocol/agent.md)
+and compacts; free page reporting then hands the freed blocks to QEMU,
+which discards them.  Reporting is asynchronous (the guest waits 2 s
+after pages are freed, then reports in batches), so "done" is when the
+QEMU process's RSS has stopped falling.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from thinvm.errors import GuestError
+from thinvm.guest.agent import AgentClient
+from thinvm.units import MiB, format_size
+from thinvm.vm.machine import VM
+
+# A guest agent that does not PONG within this long is taken as absent.
+SYNC_TIMEOUT = 10.0
+# Compaction runs after the trim's own time bound; under TCG it takes
+# seconds for a few GiB.
+COMPACT_SLACK = 60.0
+# RSS has settled when it has not fallen by more than SETTLE_STEP for
+# SETTLE_QUIET seconds: reporting starts 2 s after a free, so 4 s of
+# quiet means it has nothing left to report.
+SETTLE_QUIET = 4.0
+SETTLE_STEP = 2 * MiB
+SETTLE_POLL = 0.5
+# Below this the guest freed nothing worth waiting for.
+MIN_RECLAIM = 1 * MiB
+
+
+@dataclass(frozen=True)
+class TrimResult:
+    """What a trim did, in the guest and on the host."""
+
+    trimmed: bool  # the guest ran a trim
+    note: str  # why not, or a caveat about the numbers
+    rss_before: int
+    rss_after: int
+    settle_seconds: float  # from the end of the guest's trim to settled RSS
+    guest: dict[str, Any] = field(default_factory=dict)  # the agent's answer
+
+    @property
+    def reclaimed(self) -> int:
+        return int(self.guest.get("reclaimed_bytes_trim", 0))
+
+    @property
+    def returned(self) -> int:
+        """Host RSS the trim gave back."""
+        return self.rss_before - self.rss_after
+
+    def describe(self, name: str) -> str:
+        if not self.trimmed:
+            return f"{name}: not trimmed: {self.note}"
+        g = self.guest
+        line = (
+            f"{name}: guest reclaimed {format_size(self.reclaimed)} in "
+            f"{int(g.get('elapsed_ms', 0)) / 1000:.1f} s (stopped: {g.get('stop', '?')}; "
+            f"page cache {format_size(int(g.get('cache_before', 0)))} -> "
+            f"{format_size(int(g.get('cache_after', 0)))}); host RSS "
+            f"{format_size(self.rss_before)} -> {format_size(self.rss_after)} "
+            f"({format_size(self.returned)} returned, settled after {self.settle_seconds:.1f} s)"
+        )
+        return f"{line}; {self.note}" if self.note else line
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "trimmed": self.trimmed,
+            "note": self.note,
+            "reclaimed": self.reclaimed,
+            "rss_before": self.rss_before,
+            "rss_after": self.rss_after,
+            "returned": self.returned,
+            "settle_seconds": round(self.settle_seconds, 2),
+            "guest": self.guest,
+        }
+
+
+def request_trim(
+    agent: AgentClient, max_bytes: int = 0, timeout: float = 30.0
+) -> tuple[dict[str, Any] | None, str]:
+    """Ask the agent to trim; (its answer, "") or (None, why not).
+
+    Never raises for a guest that cannot trim: an absent, old or silent
+    agent and a kernel without memory.reclaim all come back as a reason.
+    """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes {max_bytes} < 0")
+    try:
+        agent.wait_ready(SYNC_TIMEOUT)
+    except (GuestError, OSError):
+        return None, f"the guest agent did not answer within {SYNC_TIMEOUT:.0f} s"
+    request = f"TRIM {max_bytes} {int(timeout * 1000)}"
+    try:
+        reply = agent.request_json(request, timeout=timeout + COMPACT_SLACK)
+    except (GuestError, OSError, ValueError) as exc:
+        return None, f"the guest agent did not answer the trim request ({exc})"
+    if reply is None:
+        return None, "the guest agent predates trimming (it answered TRIM with ERR unknown)"
+    if not isinstance(reply, dict):
+        return None, f"the guest agent sent a bad trim answer {reply!r}"
+    if not reply.get("available"):
+        return None, f"the guest has no usable reclaimer: {reply.get('error') or 'unavailable'}"
+    return reply, ""
+
+
+def wait_settled(
+    read_rss: Callable[[], int],
+    timeout: float,
+    quiet: float = SETTLE_QUIET,
+    poll: float = SETTLE_POLL,
+) -> tuple[int, float]:
+    """Poll RSS until it stops falling (or `timeout`); (last RSS, seconds)."""
+    start = time.monotonic()
+    low = rss = read_rss()
+    last_drop = start
+    while time.monotonic() - start < timeout:
+        time.sleep(poll)
+        rss = read_rss()
+        now = time.monotonic()
+        if rss < low - SETTLE_STEP:
+            low, last_drop = rss, now
+        elif now - last_drop >= quiet:
+            break
+    return rss, time.monotonic() - start
+
+
+def trim_guest(
+    agent: AgentClient,
+    read_rss: Callable[[], int],
+    reporting: bool,
+    max_bytes: int = 0,
+    timeout: float = 30.0,
+    settle_timeout: float = 60.0,
+) -> TrimResult:
+    """Trim the guest behind `agent`; `read_rss` reads its QEMU's RSS and
+    `reporting` says whether free page reporting is on for it."""
+    rss_before = read_rss()
+    reply, why = request_trim(agent, max_bytes, timeout)
+    if reply is None:
+        return TrimResult(False, why, rss_before, rss_before, 0.0)
+    if not reporting:
+        note = "free page reporting is off, so the host keeps what the guest freed"
+        return TrimResult(True, note, rss_before, read_rss(), 0.0, reply)
+    if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM:
+        return TrimResult(True, "", rss_before, read_rss(), 0.0, reply)
+    rss_after, seconds = wait_settled(read_rss, settle_timeout)
+    return TrimResult(True, "", rss_before, rss_after, seconds, reply)
+
+
+def trim(
+    vm: VM, max_bytes: int = 0, timeout: float = 30.0, settle_timeout: float = 60.0
+) -> TrimResult:
+    """Trim `vm`'s guest and wait until the host got the memory back."""
+    balloon = vm.config.balloon
+    return trim_guest(
+        vm.agent,
+        lambda: vm.host_memory().rss,
+        balloon.enabled and balloon.free_page_reporting,
+        max_bytes,
+        timeout,
+        settle_timeout,
+    )
+
+
+def reclaimer_status(agent: AgentClient, timeout: float = 30.0) -> dict[str, Any] | None:
+    """The guest reclaimer's counters, or None from an agent without one."""
+    reply = agent.request_json("RECLAIM status", timeout=timeout)
+    return reply if isinstance(reply, dict) else None
+
+
+def set_background(agent: AgentClient, on: bool, timeout: float = 30.0) -> dict[str, Any] | None:
+    """Switch the guest's continuous reclaim on or off; its counters after."""
+    reply = agent.request_json(f"RECLAIM {'on' if on else 'off'}", timeout=timeout)
+    return reply if isinstance(reply, dict) else None

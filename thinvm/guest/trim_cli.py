@@ -1,0 +1,51 @@
+"""`thinvm trim NAME` and the trim step of `thinvm migrate --trim`."""
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from thinvm.guest import trim
+from thinvm.units import parse_size
+from thinvm.vm.machine import VM
+
+Attach = Callable[[str], AbstractContextManager[VM]]
+
+
+def cmd_trim(args: argparse.Namespace, attached: Attach) -> int:
+    max_bytes = parse_size(args.max_bytes) if args.max_bytes else 0
+    with attached(args.name) as vm:
+        result = trim.trim(vm, max_bytes=max_bytes, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    elif result.trimmed:
+        print(result.describe(args.name))
+    else:
+        print(f"thinvm: {result.describe(args.name)}", file=sys.stderr)
+    return 0 if result.trimmed else 1
+
+
+def add_parser(
+    sub: "argparse._SubParsersAction[argparse.ArgumentParser]", attached: Attach
+) -> None:
+    p = sub.add_parser(
+        "trim", help="have a VM's guest give back cold memory now (docs/working-set.md)"
+    )
+    p.add_argument("name")
+    p.add_argument("--max-bytes", help="give back at most this much, e.g. 512M (default: all)")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds the guest may spend reclaiming"
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda args: cmd_trim(args, attached))
+
+
+def before_migration(vm: VM, name: str) -> trim.TrimResult:
+    """Trim ahead of a migration: one line either way, never an error."""
+    result = trim.trim(vm)
+    if result.trimmed:
+        print(result.describe(name), flush=True)
+    else:
+        print(f"thinvm: {name}: not trimmed, migrating anyway: {result.note}", file=sys.stderr)
+    return result
