@@ -13,6 +13,7 @@ from thinvm import pool
 from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
+from thinvm.guest.agent import shell_line
 from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
 from thinvm.qemu import accel, builds
@@ -288,8 +289,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
+    line = shell_line(args.command)
     with attached(args.name) as vm:
-        result = vm.agent.run(" ".join(args.command), timeout=args.timeout)
+        result = vm.agent.run(line, timeout=args.timeout)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
     return result.status
@@ -486,9 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true")
     p.set_defaults(func=cmd_down)
 
-    p = sub.add_parser("exec", help="run a shell command in the guest")
+    p = sub.add_parser(
+        "exec",
+        help="run a command in the guest",
+        description=EXEC_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("name")
-    p.add_argument("command", nargs="+")
+    p.add_argument("command", nargs="*", help="the guest's argv, after '--'")
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_exec)
 
@@ -520,9 +527,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXEC_DESCRIPTION = """\
+Run a command in the guest and exit with its status.
+
+Everything after '--' is the guest's argv, passed word for word: no
+shell sees it, so spaces, quotes, '$' and '>' arrive as given.  For
+shell syntax, ask for a shell:
+
+  thinvm exec vm1 -- sh -c 'dd if=/dev/zero of=/tmp/f bs=1M count=8 2>/dev/null'
+"""
+
+# Subcommands whose words after the first `--` are a guest's argv.
+GUEST_ARGV_COMMANDS = (("exec",), ("fleet", "exec"))
+
+
+def split_guest_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Cut a guest command's argv off at the first `--`, before argparse.
+
+    argparse drops a `--` inside a `nargs` list (`exec vm -- sh -- x`
+    would lose it) and its handling of `--` differs between Python
+    versions, so what follows `--` never goes through it.
+    """
+    argv = list(argv)
+    for prefix in GUEST_ARGV_COMMANDS:
+        if tuple(argv[: len(prefix)]) == prefix and "--" in argv:
+            cut = argv.index("--")
+            return argv[:cut], argv[cut + 1 :]
+    return argv, None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    head, guest_argv = split_guest_argv(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(head)
+    if guest_argv is not None:
+        args.command = [*args.command, *guest_argv]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     install_signal_handlers()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -8,8 +8,10 @@ shell command; replies are `PONG <token>` and
 
 import json
 import secrets
+import shlex
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,19 @@ class CommandResult:
         if not lines:
             raise GuestError(f"guest command {self.command!r} printed nothing")
         return json.loads(lines[-1])
+
+
+def shell_line(argv: Sequence[str]) -> str:
+    """The `/bin/sh -c` line that runs exactly `argv`, word for word.
+
+    The agent always hands its command to a shell, so an argv (what
+    `thinvm exec NAME -- ...` receives) is quoted word by word: spaces,
+    quotes, `$` and redirections reach the program as they were given.
+    Shell syntax is the user's to ask for, as `sh -c 'LINE'`.
+    """
+    if not argv:
+        raise GuestError("no guest command: give one after '--', e.g. 'thinvm exec vm -- uname -a'")
+    return shlex.join(argv)
 
 
 class AgentClient:
