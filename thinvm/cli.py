@@ -1,12 +1,9 @@
 """The `thinvm` command: a thin layer over the library."""
 
 import argparse
-import contextlib
 import json
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from thinvm import pool
@@ -14,18 +11,11 @@ from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
 from thinvm.guest.agent import shell_line
-from thinvm.paths import run_dir
 from thinvm.progress import ProgressLine
 from thinvm.qemu import accel, builds
 from thinvm.units import format_size, parse_size
-from thinvm.vm import balloon, migrate
-from thinvm.vm.machine import (
-    VM,
-    BalloonOptions,
-    VMConfig,
-    install_signal_handlers,
-    kill_unreachable,
-)
+from thinvm.vm import balloon, migrate, registry
+from thinvm.vm.machine import BalloonOptions, VMConfig, install_signal_handlers
 
 
 def add_vm_options(parser: argparse.ArgumentParser) -> None:
@@ -79,22 +69,6 @@ def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig
     )
 
 
-def vm_rundir(name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
-        raise ThinvmError(f"bad VM name {name!r}: use letters, digits, '-' or '_'")
-    return run_dir() / name
-
-
-@contextlib.contextmanager
-def attached(name: str) -> Iterator[VM]:
-    """A detached VM, reconnected for one command; it keeps running after."""
-    vm = VM.attach(vm_rundir(name))
-    try:
-        yield vm
-    finally:
-        vm.disconnect()
-
-
 def cmd_version(args: argparse.Namespace) -> int:
     for flavour in builds.FLAVOURS:
         try:
@@ -126,24 +100,10 @@ def _format_build(info: dict[str, object]) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    rundir = vm_rundir(args.name)
-    if (rundir / "state.json").exists():
-        raise ThinvmError(f"VM {args.name!r} exists already: 'thinvm down {args.name}' first")
-    shutil.rmtree(rundir, ignore_errors=True)
     config = config_from_args(args, args.name)
     if args.pool is not None:
         config.pool = str(_pool_root(args.pool))
-    vm = VM(config, rundir=rundir, detached=True)
-    try:
-        vm.start()
-        vm.save_state()
-    except BaseException:
-        vm.kill()
-        shutil.rmtree(rundir, ignore_errors=True)
-        raise
-    # The VM runs on without us: close our QMP and agent connections now,
-    # not at interpreter exit.
-    vm.disconnect()
+    vm = registry.up(config)
     if vm.pool_note:
         print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
     print(
@@ -155,18 +115,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vm_names() -> list[str]:
-    if not run_dir().is_dir():
-        return []
-    return sorted(p.parent.name for p in run_dir().glob("*/state.json"))
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else _vm_names()
+    names = [args.name] if args.name else registry.names()
     if not names:
         print("no VMs running (start one with 'thinvm up')")
     for name in names:
-        with attached(name) as vm:
+        with registry.attached(name) as vm:
             status = vm.qmp("query-status")["status"]
             mem = vm.host_memory()
             line = (
@@ -175,16 +129,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             if vm.config.balloon.enabled:
                 line += f", balloon actual {format_size(balloon.query(vm).actual)}"
+            if vm.operator_target is not None:
+                line += f" (held at {format_size(vm.operator_target)}: thinvm balloon)"
             print(line)
     return 0
 
 
 def cmd_balloon(args: argparse.Namespace) -> int:
-    with attached(args.name) as vm:
+    with registry.attached(args.name) as vm:
         if not vm.config.balloon.enabled:
             raise ThinvmError(f"VM {args.name!r} has no balloon device")
+        if args.size == "auto":
+            registry.set_operator_target(vm, None)
+            print(f"{args.name}: balloon left to the balance controller")
+            return 0
         target = parse_size(args.size)
+        balloon.check_target(vm, target)
         before = vm.host_memory().rss
+        # Recorded first, so that a balance controller leaves the VM alone
+        # from now on rather than undoing the target while we wait for it.
+        registry.set_operator_target(vm, target)
         balloon.set_target(vm, target)
         seconds = balloon.wait_actual(vm, target, timeout=args.timeout)
         after = vm.host_memory().rss
@@ -201,7 +165,7 @@ def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    with attached(args.name) as src:
+    with registry.attached(args.name) as src:
         if args.sparse and src.config.build != "patched":
             raise ThinvmError(
                 "--sparse needs the patched QEMU build: start the VM with --build patched"
@@ -213,18 +177,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         caps = {"postcopy-ram": args.postcopy is not None}
         if src.config.build == "patched":
             caps["sparse-ram"] = args.sparse
-        if args.uri:
-            line, progress = _progress_printer()
-            try:
-                result = migrate.migrate_to_uri(
-                    src, args.uri, caps=caps, progress=progress, postcopy_after=args.postcopy
-                )
-            finally:
-                line.done()
-            src.shutdown()
-            shutil.rmtree(src.rundir, ignore_errors=True)
-        else:
-            result = _migrate_locally(src, caps, args.postcopy)
+        line, progress = _progress_printer()
+        try:
+            if args.uri:
+                result = registry.migrate_to_uri(src, args.uri, caps, progress, args.postcopy)
+            else:
+                result = registry.migrate_locally(src, caps, progress, args.postcopy)
+        finally:
+            line.done()
     postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
     print(
         f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
@@ -235,62 +195,20 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _migrate_locally(
-    src: VM, caps: dict[str, bool], postcopy_after: float | None
-) -> migrate.MigrationResult:
-    """Migrate into a new local QEMU that then takes over the VM's name."""
-    name = src.config.name
-    # A fresh directory each time: a QEMU removes its sockets and pid file
-    # by the paths it was started with when it quits, and the source of
-    # the next migration is the QEMU started here.  A reused staging name
-    # would let it remove its successor's sockets.
-    run_dir().mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incoming-", dir=run_dir()))
-    dst = VM(src.config, rundir=staging, incoming=True, detached=True)
-    line, progress = _progress_printer()
-    try:
-        dst.start()
-        result = migrate.migrate(
-            src, dst, caps=caps, progress=progress, postcopy_after=postcopy_after
-        )
-        line.done()
-    except BaseException:
-        line.done()
-        dst.kill()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    src.shutdown()
-    shutil.rmtree(src.rundir, ignore_errors=True)
-    # The sockets keep working after the rename: they are bound to inodes.
-    staging.rename(src.rundir)
-    dst.rundir = src.rundir
-    dst.save_state()
-    dst.disconnect()
-    return result
-
-
 def cmd_down(args: argparse.Namespace) -> int:
-    names = _vm_names() if args.all else [args.name]
+    names = registry.names() if args.all else [args.name]
     if not args.all and not args.name:
         raise ThinvmError("name a VM or pass --all")
     for name in names:
-        rundir = vm_rundir(name)
-        try:
-            with attached(name) as vm:
-                vm.shutdown()
-        except ThinvmError as exc:
-            print(f"{name}: {exc}", file=sys.stderr)
-            # Its QEMU may still run without a monitor we can reach.
-            if (pid := kill_unreachable(rundir)) is not None:
-                print(f"{name}: killed QEMU pid {pid}", file=sys.stderr)
-        shutil.rmtree(rundir, ignore_errors=True)
+        for note in registry.down(name):
+            print(f"{name}: {note}", file=sys.stderr)
         print(f"{name}: down")
     return 0
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
     line = shell_line(args.command)
-    with attached(args.name) as vm:
+    with registry.attached(args.name) as vm:
         result = vm.agent.run(line, timeout=args.timeout)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
@@ -462,9 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("balloon", help="set the balloon so the guest keeps SIZE")
+    p = sub.add_parser(
+        "balloon",
+        help="set the balloon so the guest keeps SIZE ('auto': leave it to thinvm balance)",
+    )
     p.add_argument("name")
-    p.add_argument("size")
+    p.add_argument(
+        "size",
+        help="what the guest keeps, e.g. 1G; a balance controller then leaves the VM there "
+        "until 'thinvm balloon NAME auto'",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_balloon)
 
