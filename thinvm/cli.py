@@ -159,6 +159,10 @@ def cmd_balloon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(note: str) -> None:
+    print(f"thinvm: {note}", file=sys.stderr)
+
+
 def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
     line = ProgressLine()
     return line, lambda info: line.update(migrate.describe_progress(info))
@@ -180,9 +184,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         line, progress = _progress_printer()
         try:
             if args.uri:
-                result = registry.migrate_to_uri(src, args.uri, caps, progress, args.postcopy)
+                result = registry.migrate_to_uri(
+                    src, args.uri, caps, progress, args.postcopy, warn=_warn
+                )
             else:
-                result = registry.migrate_locally(src, caps, progress, args.postcopy)
+                result = registry.migrate_locally(src, caps, progress, args.postcopy, warn=_warn)
         finally:
             line.done()
     postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
@@ -208,7 +214,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     line = shell_line(args.command)
-    with registry.attached(args.name) as vm:
+    with registry.attached(args.name, monitor=False) as vm:
         result = vm.agent.run(line, timeout=args.timeout)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)

@@ -28,6 +28,10 @@ MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 T = TypeVar("T")
 
 
+class HeldByOperator(ThinvmError):
+    """An operator set the VM's target after the cycle sampled it: not changed."""
+
+
 class VmBackend(Protocol):
     name: str
 
@@ -240,9 +244,9 @@ class ThinvmBackend:
                 raise ThinvmError(f"VM {vm!r} is gone")
             if machine.operator_target is not None:
                 # An operator got there between our sample and now.
-                raise ThinvmError(
-                    f"VM {vm!r} is held at {format_size(machine.operator_target)} by an "
-                    "operator (thinvm balloon): not changed"
+                raise HeldByOperator(
+                    f"held at {format_size(machine.operator_target)} by an operator "
+                    "(thinvm balloon) since this cycle's sample"
                 )
             balloon.set_target(machine, target)
 

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.balance.backends import HostSource, VmBackend
+from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend
 from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
 from thinvm.balance.policies import Inputs, Policy
 from thinvm.errors import ThinvmError
@@ -218,6 +218,13 @@ class Controller:
             return
         try:
             self.backend.set_target(decision.vm, decision.target)
+        except HeldByOperator as exc:
+            # Not a failure: the operator's target stands, as it will next cycle.
+            self.states[decision.vm] = self.states[decision.vm].but(
+                target=previous.get(decision.vm, VmState()).target
+            )
+            self.log(f"{where}: not set {change}: {exc}")
+            return
         except (ThinvmError, OSError, TimeoutError) as exc:
             report.errors.append(f"{decision.vm}: {exc}")
             self.states[decision.vm] = self.states[decision.vm].but(

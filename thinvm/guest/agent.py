@@ -102,8 +102,10 @@ class AgentClient:
             return
         try:
             taken = self._lock.acquire(timeout)
-        except OSError as exc:
-            raise GuestError(f"guest agent lock {self._lock.path}: {exc}") from exc
+        except FileNotFoundError as exc:
+            raise GuestError(
+                f"the VM of {self.path} is gone: it was stopped or migrated to another host"
+            ) from exc
         if not taken:
             raise GuestError(
                 f"guest agent {self.path} stayed busy with another client's command for "

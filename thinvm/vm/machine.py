@@ -548,8 +548,12 @@ class VM:
         tmp.replace(self.rundir / "state.json")
 
     @classmethod
-    def attach(cls, rundir: Path) -> "VM":
-        """Reconnect to a detached VM started by `thinvm up`."""
+    def attach(cls, rundir: Path, monitor: bool = True) -> "VM":
+        """Reconnect to a detached VM started by `thinvm up`.
+
+        monitor=False: no QMP monitor, for a client that needs only the
+        agent (it takes its turns there, and leaves the monitors to others).
+        """
         state_file = rundir / "state.json"
         if not state_file.is_file():
             raise ThinvmError(f"no VM named {rundir.name!r}: start one with 'thinvm up'")
@@ -563,7 +567,8 @@ class VM:
                 f"VM {rundir.name!r} is not running any more (pid {vm.pid}); "
                 f"see {vm.serial_log}, then 'thinvm down {rundir.name}'"
             )
-        vm.connect_monitor()
+        if monitor:
+            vm.connect_monitor()
         return vm
 
 

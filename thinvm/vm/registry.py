@@ -21,7 +21,7 @@ import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ from thinvm.vm.machine import VM, VMConfig, kill_unreachable
 
 # How long a client waits for a switchover (a QEMU quitting, a VM booting).
 LOCK_TIMEOUT = 150.0
+# How long a migration waits for a running guest command to finish.
+AGENT_QUIET_TIMEOUT = 10.0
 
 
 def rundir(name: str) -> Path:
@@ -68,16 +70,16 @@ def name_lock(name: str, exclusive: bool = False, timeout: float = LOCK_TIMEOUT)
         lock.release()
 
 
-def attach(name: str) -> VM:
+def attach(name: str, monitor: bool = True) -> VM:
     """Connect to the detached VM called `name` (a monitor and agent of our own)."""
     with name_lock(name):
-        return VM.attach(rundir(name))
+        return VM.attach(rundir(name), monitor=monitor)
 
 
 @contextlib.contextmanager
-def attached(name: str) -> Iterator[VM]:
+def attached(name: str, monitor: bool = True) -> Iterator[VM]:
     """A detached VM, attached for one command; it keeps running after."""
-    vm = attach(name)
+    vm = attach(name, monitor=monitor)
     try:
         yield vm
     finally:
@@ -154,20 +156,46 @@ def _read_state(directory: Path) -> dict[str, Any]:
     return data
 
 
+def _agent_quiet(vm: VM, warn: Callable[[str], None]) -> FileLock | None:
+    """Take the source's agent turn for a migration, so that guest commands
+    do not straddle the switchover, where their answer would be lost.
+
+    A command already running gets AGENT_QUIET_TIMEOUT to finish; commands
+    that come meanwhile wait and then run on the destination (their lock
+    file is replaced with the run directory, see FileLock).  A longer one
+    does not hold the migration up: it goes on, and that command's answer
+    is lost.
+    """
+    lock = FileLock(vm.rundir / "agent.lock")
+    if lock.acquire(AGENT_QUIET_TIMEOUT):
+        return lock
+    warn(
+        f"{vm.config.name}: a guest command (thinvm exec) is still running after "
+        f"{AGENT_QUIET_TIMEOUT:.0f} s: migrating anyway; that command's answer will be lost"
+    )
+    return None
+
+
 def migrate_to_uri(
     src: VM,
     uri: str,
     caps: dict[str, bool],
     progress: migrate.Progress | None,
     postcopy_after: float | None,
+    warn: Callable[[str], None] = lambda _note: None,
 ) -> migrate.MigrationResult:
     """Migrate a detached VM to a destination someone else started; it leaves this host."""
-    result = migrate.migrate_to_uri(
-        src, uri, caps=caps, progress=progress, postcopy_after=postcopy_after
-    )
-    with name_lock(src.config.name, exclusive=True):
-        src.shutdown()
-        shutil.rmtree(src.rundir, ignore_errors=True)
+    quiet = _agent_quiet(src, warn)
+    try:
+        result = migrate.migrate_to_uri(
+            src, uri, caps=caps, progress=progress, postcopy_after=postcopy_after
+        )
+        with name_lock(src.config.name, exclusive=True):
+            src.shutdown()
+            shutil.rmtree(src.rundir, ignore_errors=True)
+    finally:
+        if quiet is not None:
+            quiet.release()
     return result
 
 
@@ -176,8 +204,23 @@ def migrate_locally(
     caps: dict[str, bool],
     progress: migrate.Progress | None,
     postcopy_after: float | None,
+    warn: Callable[[str], None] = lambda _note: None,
 ) -> migrate.MigrationResult:
     """Migrate a detached VM into a new local QEMU that then takes over its name."""
+    quiet = _agent_quiet(src, warn)
+    try:
+        return _migrate_locally(src, caps, progress, postcopy_after)
+    finally:
+        if quiet is not None:
+            quiet.release()
+
+
+def _migrate_locally(
+    src: VM,
+    caps: dict[str, bool],
+    progress: migrate.Progress | None,
+    postcopy_after: float | None,
+) -> migrate.MigrationResult:
     name = src.config.name
     # A fresh directory each time: a QEMU removes its sockets and pid file
     # by the paths it was started with when it quits, and the source of
