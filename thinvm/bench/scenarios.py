@@ -35,7 +35,7 @@ from thinvm.guest import workload
 from thinvm.host.memory import host_meminfo
 from thinvm.paths import cache_dir
 from thinvm.units import GiB, MiB, format_size, parse_size
-from thinvm.vm import balloon, migrate
+from thinvm.vm import balloon, migrate, pooled
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
@@ -1297,7 +1297,7 @@ def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenari
             began = time.monotonic()
             with pool.temporary_pool(kind, size, tag=f"b-start-{kind}") as warm:
                 fill_s = time.monotonic() - began
-                start = pool.start_from_pool(guest_config(opts, "b-start", size), warm.root)
+                start = pooled.start_from_pool(guest_config(opts, "b-start", size), warm.root)
                 with start.vm as vm:
                     if not start.pooled:
                         raise ThinvmError(f"no warm slot: {start.lease}")

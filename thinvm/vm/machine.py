@@ -23,12 +23,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from thinvm import pool as pool_mod
 from thinvm.errors import ThinvmError
 from thinvm.guest.agent import AgentClient
 from thinvm.guest.image import GuestImage, ensure_image
 from thinvm.host.locks import FileLock
 from thinvm.host.memory import HostMemory, host_meminfo, process_memory
+from thinvm.pool import lease as pool_lease
+from thinvm.pool.model import PoolEmpty
 from thinvm.qemu import accel as accel_mod
 from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
@@ -182,7 +183,7 @@ class VM:
         self.image: GuestImage | None = None
         self.accel: str | None = None
         self.boot_seconds: float | None = None
-        self.pool_lease: pool_mod.Lease | None = None
+        self.pool_lease: pool_lease.Lease | None = None
         self.pool_note = ""  # why a VM with config.pool got no slot
         # A balloon target an operator set with `thinvm balloon`: the
         # controller leaves the VM there until `thinvm balloon NAME auto`.
@@ -329,16 +330,16 @@ class VM:
         if self.config.pool is None or self.pool_lease is not None:
             return
         try:
-            self.pool_lease = pool_mod.acquire(
+            self.pool_lease = pool_lease.acquire(
                 self.config.pool, self.config.memory, self.config.name
             )
-        except pool_mod.PoolEmpty as exc:
+        except PoolEmpty as exc:
             self.pool_note = f"{exc}: preallocating anonymous RAM instead"
 
     def _return_pool_slot(self) -> None:
         """QEMU is gone: its slot is scrubbed before anyone gets it again."""
         if self.config.pool is not None:
-            pool_mod.release_vm(self.config.pool, self.pool_lease, self.pid)
+            pool_lease.release_vm(self.config.pool, self.pool_lease, self.pid)
             self.pool_lease = None
 
     def _spawn(self) -> None:
