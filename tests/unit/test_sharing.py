@@ -105,3 +105,28 @@ def test_every_vm_has_several_qmp_monitors() -> None:
     assert vm.agent._lock is None  # an owned VM keeps its agent connection
     detached = VM(VMConfig(name="m"), rundir=Path("/tmp/thinvm-unit-m"), detached=True)
     assert detached.agent._lock is not None
+
+
+def test_a_lock_whose_directory_is_replaced_is_waited_for(tmp_path: Path) -> None:
+    directory = tmp_path / "vm"
+    directory.mkdir()
+    directory.rename(tmp_path / "gone")
+
+    def successor() -> None:
+        time.sleep(0.3)
+        directory.mkdir()
+
+    thread = threading.Thread(target=successor)
+    thread.start()
+    assert FileLock(directory / "agent.lock").acquire(5)
+    thread.join()
+
+
+def test_a_lock_whose_directory_stays_gone_raises(tmp_path: Path) -> None:
+    started = time.monotonic()
+    try:
+        FileLock(tmp_path / "gone" / "agent.lock").acquire(30)
+    except FileNotFoundError:
+        assert time.monotonic() - started < 10
+    else:
+        raise AssertionError("acquired a lock in a directory that does not exist")

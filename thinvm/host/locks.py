@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 POLL_SECONDS = 0.05
+MISSING_GRACE = 2.0  # seconds a lock's directory may be missing while replaced
 
 
 class FileLock:
@@ -49,13 +50,27 @@ class FileLock:
         return True
 
     def acquire(self, timeout: float, exclusive: bool = True) -> bool:
-        """Wait up to `timeout` seconds for the lock; False if it stayed taken."""
+        """Wait up to `timeout` seconds for the lock; False if it stayed taken.
+
+        A directory that is missing for a moment (renamed away, its
+        successor renamed in) is waited for; one that stays missing for
+        MISSING_GRACE raises FileNotFoundError.
+        """
         deadline = time.monotonic() + timeout
-        while not self.try_acquire(exclusive):
+        missing_since: float | None = None
+        while True:
+            try:
+                if self.try_acquire(exclusive):
+                    return True
+                missing_since = None
+            except FileNotFoundError:
+                now = time.monotonic()
+                missing_since = missing_since or now
+                if now - missing_since >= MISSING_GRACE:
+                    raise
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_SECONDS)
-        return True
 
     def release(self) -> None:
         if self._fd is not None:

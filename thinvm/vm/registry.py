@@ -19,6 +19,7 @@ the QEMU that took over, instead of failing on the one that quit.
 
 import contextlib
 import json
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -125,8 +126,23 @@ def down(name: str) -> list[str]:
             # Its QEMU may still run without a monitor we can reach.
             if (pid := kill_unreachable(directory)) is not None:
                 notes.append(f"killed QEMU pid {pid}")
-        shutil.rmtree(directory, ignore_errors=True)
+        _discard(directory)
     return notes
+
+
+def _discard(directory: Path) -> None:
+    """Remove a VM's run directory, renamed out of the way first.
+
+    Clients waiting for a lock file in it poll by path with O_CREAT; a
+    plain rmtree would race with them (a file re-created behind it, and
+    the directory left behind, in the way of the QEMU taking it over).
+    After the rename their opens fail, or find the successor's files.
+    """
+    if not directory.exists():
+        return
+    gone = directory.with_name(f".{directory.name}.gone-{secrets.token_hex(4)}")
+    directory.rename(gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def set_operator_target(vm: VM, target: int | None) -> None:
@@ -192,7 +208,7 @@ def migrate_to_uri(
         )
         with name_lock(src.config.name, exclusive=True):
             src.shutdown()
-            shutil.rmtree(src.rundir, ignore_errors=True)
+            _discard(src.rundir)
     finally:
         if quiet is not None:
             quiet.release()
@@ -242,7 +258,7 @@ def _migrate_locally(
     # the run directory's paths (see above).  Clients of the name wait.
     with name_lock(name, exclusive=True):
         src.shutdown()
-        shutil.rmtree(src.rundir, ignore_errors=True)
+        _discard(src.rundir)
         # The sockets keep working after the rename: they are bound to inodes.
         staging.rename(src.rundir)
         dst.rundir = src.rundir
