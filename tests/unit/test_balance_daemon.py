@@ -76,9 +76,12 @@ def test_a_vm_an_operator_ballooned_is_left_there_until_handed_back(tmp_path: Pa
     backend = FakeBackend()
     backend.actual["h"] = 1 * GiB
     backend.held["h"] = backend.actual["h"] = 900 * MiB  # thinvm balloon h 900M
-    ctl = controller(backend, tmp_path / "s.json")
+    ctl = controller(backend, tmp_path / "s.json", verbose=True)
+    lines: list[str] = []
+    ctl.log = lines.append
     ctl.run(cycles=6)
     assert {vm for vm, _ in backend.sent} == {"g"}, "the held VM was touched"
+    assert sum(" h: held at 900.00 MiB by an operator" in line for line in lines) == 6
     status = load_status(tmp_path / "s.json")["vms"]["h"]
     assert status["target"] == 900 * MiB and "held at 900.00 MiB by an operator" in status["reason"]
     del backend.held["h"]  # thinvm balloon h auto

@@ -167,7 +167,7 @@ class Controller:
         report = CycleReport(self.cycle, host, samples, decisions, 0)
         self._save(report, finished=False)  # before acting: a restart re-sends these
         by_name = {s.name: s for s in samples}
-        for decision in plan.decisions:
+        for decision in report.decisions:
             self._act(decision, by_name[decision.vm], previous, report)
         if report.errors:
             self._save(report, finished=True)
