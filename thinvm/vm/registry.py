@@ -51,10 +51,6 @@ def names() -> list[str]:
     return sorted(p.parent.name for p in run_dir().glob("*/state.json"))
 
 
-def exists(name: str) -> bool:
-    return (rundir(name) / "state.json").is_file()
-
-
 @contextlib.contextmanager
 def name_lock(name: str, exclusive: bool = False, timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
     """Hold NAME's lock: shared to read which QEMU it is, exclusive to change it."""
