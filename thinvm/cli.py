@@ -1,98 +1,19 @@
 """The `thinvm` command: a thin layer over the library."""
 
 import argparse
-import contextlib
 import json
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from thinvm import pool
 from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
-from thinvm.guest import trim_cli
-from thinvm.paths import run_dir
-from thinvm.progress import ProgressLine
+from thinvm.pool import cli as pool_cli
 from thinvm.qemu import accel, builds
-from thinvm.units import format_size, parse_size
-from thinvm.vm import balloon, migrate
-from thinvm.vm.machine import (
-    VM,
-    BalloonOptions,
-    VMConfig,
-    install_signal_handlers,
-    kill_unreachable,
-)
-
-
-def add_vm_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that launches a guest."""
-    parser.add_argument("--build", default="stock", help="QEMU build: stock or patched")
-    parser.add_argument("--memory", "-m", default="2G", help="guest RAM (e.g. 2G, 512M)")
-    parser.add_argument("--cpus", type=int, default=1)
-    parser.add_argument("--accel", default="auto", help="auto, tcg or kvm")
-    parser.add_argument("--kernel", default="6.1", help="guest kernel: 6.1 or 6.12")
-    parser.add_argument(
-        "--driver", default="stock", help="guest balloon driver: stock, thinvm, none, or a .ko"
-    )
-    parser.add_argument("--backend", default="ram", help="ram, memfd or file:PATH")
-    parser.add_argument("--prealloc", action="store_true", help="preallocate guest RAM")
-    parser.add_argument("--prealloc-threads", type=int, default=1)
-    parser.add_argument(
-        "--no-reserve", action="store_true", help="do not reserve swap/RAM for guest memory"
-    )
-    parser.add_argument("--no-balloon", action="store_true", help="no virtio-balloon device")
-    parser.add_argument("--deflate-on-oom", action="store_true")
-    parser.add_argument("--free-page-hint", action="store_true")
-    parser.add_argument("--free-page-reporting", action="store_true")
-    parser.add_argument(
-        "--ranges", action="store_true", help="offer page-range ballooning (--build patched)"
-    )
-
-
-def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig:
-    builds.check_flavour(args.build)
-    if args.cpus < 1:
-        raise ThinvmError(f"--cpus must be at least 1, not {args.cpus}")
-    return VMConfig(
-        name=name,
-        build=args.build,
-        memory=parse_size(args.memory),
-        cpus=args.cpus,
-        accel=args.accel,
-        kernel=args.kernel,
-        guest_driver=args.driver,
-        backend=args.backend,
-        prealloc=args.prealloc,
-        prealloc_threads=args.prealloc_threads,
-        reserve=not args.no_reserve,
-        balloon=BalloonOptions(
-            enabled=not args.no_balloon,
-            deflate_on_oom=args.deflate_on_oom,
-            free_page_hint=args.free_page_hint,
-            free_page_reporting=args.free_page_reporting,
-            ranges=args.ranges,
-        ),
-    )
-
-
-def vm_rundir(name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
-        raise ThinvmError(f"bad VM name {name!r}: use letters, digits, '-' or '_'")
-    return run_dir() / name
-
-
-@contextlib.contextmanager
-def attached(name: str) -> Iterator[VM]:
-    """A detached VM, reconnected for one command; it keeps running after."""
-    vm = VM.attach(vm_rundir(name))
-    try:
-        yield vm
-    finally:
-        vm.disconnect()
+from thinvm.units import parse_size
+from thinvm.vm import cli as vm_cli
+from thinvm.vm.machine import install_signal_handlers
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -125,179 +46,6 @@ def _format_build(info: dict[str, object]) -> str:
     )
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    rundir = vm_rundir(args.name)
-    if (rundir / "state.json").exists():
-        raise ThinvmError(f"VM {args.name!r} exists already: 'thinvm down {args.name}' first")
-    shutil.rmtree(rundir, ignore_errors=True)
-    config = config_from_args(args, args.name)
-    if args.pool is not None:
-        config.pool = str(_pool_root(args.pool))
-    vm = VM(config, rundir=rundir, detached=True)
-    try:
-        vm.start()
-        vm.save_state()
-    except BaseException:
-        vm.kill()
-        shutil.rmtree(rundir, ignore_errors=True)
-        raise
-    # The VM runs on without us: close our QMP and agent connections now,
-    # not at interpreter exit.
-    vm.disconnect()
-    if vm.pool_note:
-        print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
-    print(
-        f"{args.name}: up (pid {vm.pid}, {vm.accel}, {format_size(vm.config.memory)}, "
-        f"agent ready after {vm.boot_seconds:.1f} s); serial log {vm.serial_log}"
-    )
-    if vm.pool_lease is not None:
-        print(f"{args.name}: RAM from {vm.pool_lease.describe()}")
-    return 0
-
-
-def _vm_names() -> list[str]:
-    if not run_dir().is_dir():
-        return []
-    return sorted(p.parent.name for p in run_dir().glob("*/state.json"))
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else _vm_names()
-    if not names:
-        print("no VMs running (start one with 'thinvm up')")
-    for name in names:
-        with attached(name) as vm:
-            status = vm.qmp("query-status")["status"]
-            mem = vm.host_memory()
-            line = (
-                f"{name}: {status}, guest {format_size(vm.config.memory)}, "
-                f"host RSS {format_size(mem.rss)} (THP {format_size(mem.anon_huge)})"
-            )
-            if vm.config.balloon.enabled:
-                line += f", balloon actual {format_size(balloon.query(vm).actual)}"
-            print(line)
-    return 0
-
-
-def cmd_balloon(args: argparse.Namespace) -> int:
-    with attached(args.name) as vm:
-        if not vm.config.balloon.enabled:
-            raise ThinvmError(f"VM {args.name!r} has no balloon device")
-        target = parse_size(args.size)
-        before = vm.host_memory().rss
-        balloon.set_target(vm, target)
-        seconds = balloon.wait_actual(vm, target, timeout=args.timeout)
-        after = vm.host_memory().rss
-        print(
-            f"{args.name}: actual {format_size(balloon.query(vm).actual)} after {seconds:.2f} s; "
-            f"host RSS {format_size(before)} -> {format_size(after)}"
-        )
-    return 0
-
-
-def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
-    line = ProgressLine()
-    return line, lambda info: line.update(migrate.describe_progress(info))
-
-
-def cmd_migrate(args: argparse.Namespace) -> int:
-    with attached(args.name) as src:
-        if args.sparse and src.config.build != "patched":
-            raise ThinvmError(
-                "--sparse needs the patched QEMU build: start the VM with --build patched"
-            )
-        if args.postcopy is not None and args.postcopy < 0:
-            raise ThinvmError(f"--postcopy {args.postcopy:g}: want seconds, 0 or more")
-        if args.trim:
-            trim_cli.before_migration(src, args.name)
-        # Said both ways: a VM that arrived by an earlier migration still has
-        # the capabilities it was received with.
-        caps = {"postcopy-ram": args.postcopy is not None}
-        if src.config.build == "patched":
-            caps["sparse-ram"] = args.sparse
-        if args.uri:
-            line, progress = _progress_printer()
-            try:
-                result = migrate.migrate_to_uri(
-                    src, args.uri, caps=caps, progress=progress, postcopy_after=args.postcopy
-                )
-            finally:
-                line.done()
-            src.shutdown()
-            shutil.rmtree(src.rundir, ignore_errors=True)
-        else:
-            result = _migrate_locally(src, caps, args.postcopy)
-    postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
-    print(
-        f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
-        f"{format_size(result.transferred)} sent, {result.normal_pages} normal + "
-        f"{result.zero_pages} zero pages"
-        + (f", {format_size(postcopy)} of it in postcopy" if args.postcopy is not None else "")
-    )
-    return 0
-
-
-def _migrate_locally(
-    src: VM, caps: dict[str, bool], postcopy_after: float | None
-) -> migrate.MigrationResult:
-    """Migrate into a new local QEMU that then takes over the VM's name."""
-    name = src.config.name
-    # A fresh directory each time: a QEMU removes its sockets and pid file
-    # by the paths it was started with when it quits, and the source of
-    # the next migration is the QEMU started here.  A reused staging name
-    # would let it remove its successor's sockets.
-    run_dir().mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incoming-", dir=run_dir()))
-    dst = VM(src.config, rundir=staging, incoming=True, detached=True)
-    line, progress = _progress_printer()
-    try:
-        dst.start()
-        result = migrate.migrate(
-            src, dst, caps=caps, progress=progress, postcopy_after=postcopy_after
-        )
-        line.done()
-    except BaseException:
-        line.done()
-        dst.kill()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    src.shutdown()
-    shutil.rmtree(src.rundir, ignore_errors=True)
-    # The sockets keep working after the rename: they are bound to inodes.
-    staging.rename(src.rundir)
-    dst.rundir = src.rundir
-    dst.save_state()
-    dst.disconnect()
-    return result
-
-
-def cmd_down(args: argparse.Namespace) -> int:
-    names = _vm_names() if args.all else [args.name]
-    if not args.all and not args.name:
-        raise ThinvmError("name a VM or pass --all")
-    for name in names:
-        rundir = vm_rundir(name)
-        try:
-            with attached(name) as vm:
-                vm.shutdown()
-        except ThinvmError as exc:
-            print(f"{name}: {exc}", file=sys.stderr)
-            # Its QEMU may still run without a monitor we can reach.
-            if (pid := kill_unreachable(rundir)) is not None:
-                print(f"{name}: killed QEMU pid {pid}", file=sys.stderr)
-        shutil.rmtree(rundir, ignore_errors=True)
-        print(f"{name}: down")
-    return 0
-
-
-def cmd_exec(args: argparse.Namespace) -> int:
-    with attached(args.name) as vm:
-        result = vm.agent.run(" ".join(args.command), timeout=args.timeout)
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
-    return result.status
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from thinvm import demo
 
@@ -328,104 +76,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
 
-def _pool_root(text: str | None) -> Path:
-    return Path(text).expanduser() if text else pool.default_root()
-
-
-def _pool_spec(args: argparse.Namespace) -> pool.PoolSpec:
-    if args.count < 1:
-        raise ThinvmError(f"--count must be at least 1, not {args.count}")
-    sizes = [parse_size(s) for s in args.slot]
-    return pool.PoolSpec(
-        slots=[size for size in sizes for _ in range(args.count)] if sizes else None,
-        kind=args.kind,
-        directory=args.files,
-        budget=parse_size(args.budget) if args.budget else None,
-        watermark=parse_size(args.watermark) if args.watermark else None,
-        psi_threshold=args.psi,
-        interval=args.interval,
-        reserve_hugepages=args.reserve_hugepages,
-        cgroup=not args.no_cgroup,
-    )
-
-
-def cmd_pool_start(args: argparse.Namespace) -> int:
-    root = _pool_root(args.root)
-    pool.configure(root, _pool_spec(args))
-    if args.detach:
-        pid = pool.spawn_daemon(root)
-        print(f"pool daemon running (pid {pid}); log {pool.Pool(root).log_file}")
-        return 0
-    out = pool.PoolLog()
-    try:
-        pool.serve(root, out=out)
-    finally:
-        out.close()
-    return 0
-
-
-def cmd_pool_fill(args: argparse.Namespace) -> int:
-    root = _pool_root(args.root)
-    pool.configure(root, _pool_spec(args))
-    out = pool.PoolLog()
-    try:
-        pool.serve(root, once=True, out=out)
-    finally:
-        out.close()
-    print("\n".join(pool.format_status(pool.status(root))))
-    return 0
-
-
-def cmd_pool_status(args: argparse.Namespace) -> int:
-    status = pool.status(_pool_root(args.root))
-    print(json.dumps(status.to_json()) if args.json else "\n".join(pool.format_status(status)))
-    return 0
-
-
-def cmd_pool_stop(args: argparse.Namespace) -> int:
-    report = pool.stop(_pool_root(args.root), force=args.force)
-    print(f"pool stopped: {report.removed} slots removed")
-    for name in report.left_to_vms:
-        print(f"  {name or 'a VM'} keeps its slot's memory until it exits")
-    return 0
-
-
-def add_pool_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    group = sub.add_parser("pool", help="warm pool of pre-zeroed guest RAM (docs/warm-pool.md)")
-    psub = group.add_subparsers(dest="pool_command", required=True)
-    for name, func, text in (
-        ("start", cmd_pool_start, "keep the slots filled (foreground unless --detach)"),
-        ("fill", cmd_pool_fill, "fill and scrub the slots once, then exit"),
-    ):
-        p = psub.add_parser(name, help=text)
-        p.add_argument("--root", help="pool state directory (default ~/.cache/thinvm/pool)")
-        p.add_argument("--slot", action="append", default=[], help="slot size, e.g. 4G")
-        p.add_argument("--count", type=int, default=1, help="slots of each --slot size")
-        p.add_argument("--kind", default="auto", help="auto, hugetlbfs or tmpfs")
-        p.add_argument("--files", help="directory for slot files (on hugetlbfs or tmpfs)")
-        p.add_argument("--budget", help="most memory the slots may hold (default: their sum)")
-        p.add_argument("--watermark", help="fill only while MemAvailable stays above (2G)")
-        p.add_argument("--psi", type=float, help="shrink above this PSI some avg10, in %% (10)")
-        p.add_argument("--interval", type=float, help="seconds between checks (2)")
-        p.add_argument(
-            "--reserve-hugepages",
-            action="store_true",
-            help="mount hugetlbfs if needed and grow vm.nr_hugepages as slots fill",
-        )
-        p.add_argument("--no-cgroup", action="store_true", help="no cgroup of its own")
-        if name == "start":
-            p.add_argument("--detach", action="store_true", help="run in the background")
-        p.set_defaults(func=func)
-    p = psub.add_parser("status", help="slots, what they hold, budget and pressure")
-    p.add_argument("--root")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_pool_status)
-    p = psub.add_parser("stop", help="stop the daemon and give all memory back")
-    p.add_argument("--root")
-    p.add_argument("--force", action="store_true", help="even with slots leased to VMs")
-    p.set_defaults(func=cmd_pool_stop)
-
-
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -447,56 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also the probe's timings")
     p.set_defaults(func=cmd_accel)
 
-    p = sub.add_parser("up", help="start a VM in the background")
-    p.add_argument("--name", default="thinvm")
-    add_vm_options(p)
-    p.add_argument(
-        "--pool",
-        nargs="?",
-        const="",
-        metavar="ROOT",
-        help="RAM from a warm pool slot (thinvm pool start), else preallocate",
-    )
-    p.set_defaults(func=cmd_up)
-
-    p = sub.add_parser("status", help="state, balloon and host memory of VMs")
-    p.add_argument("name", nargs="?")
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser("balloon", help="set the balloon so the guest keeps SIZE")
-    p.add_argument("name")
-    p.add_argument("size")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=cmd_balloon)
-
-    p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
-    p.add_argument("name")
-    p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
-    p.add_argument(
-        "--sparse", action="store_true", help="skip RAM the host never populated (sparse-ram)"
-    )
-    p.add_argument(
-        "--postcopy",
-        type=float,
-        metavar="SECONDS",
-        help="switch to postcopy this long after the start (0: at once); with --uri the "
-        "destination must have postcopy-ram on",
-    )
-    p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
-    p.set_defaults(func=cmd_migrate)
-
-    trim_cli.add_parser(sub, attached)
-
-    p = sub.add_parser("down", help="stop a VM")
-    p.add_argument("name", nargs="?")
-    p.add_argument("--all", action="store_true")
-    p.set_defaults(func=cmd_down)
-
-    p = sub.add_parser("exec", help="run a shell command in the guest")
-    p.add_argument("name")
-    p.add_argument("command", nargs="+")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=cmd_exec)
+    vm_cli.add_parsers(sub)
 
     p = sub.add_parser("demo", help="the flagship scenario on the stock and the thinvm stack")
     p.add_argument("--memory", default="2G")
@@ -521,14 +122,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_bench)
 
-    add_pool_parsers(sub)
+    pool_cli.add_parsers(sub)
     balance_cli.add_parsers(sub)
     return parser
 
 
+# Subcommands whose words after the first `--` are a guest's argv.
+GUEST_ARGV_COMMANDS = (("exec",), ("fleet", "exec"))
+
+
+def split_guest_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Cut a guest command's argv off at the first `--`, before argparse.
+
+    argparse drops a `--` inside a `nargs` list (`exec vm -- sh -- x`
+    would lose it) and its handling of `--` differs between Python
+    versions, so what follows `--` never goes through it.
+    """
+    argv = list(argv)
+    for prefix in GUEST_ARGV_COMMANDS:
+        if tuple(argv[: len(prefix)]) == prefix and "--" in argv:
+            cut = argv.index("--")
+            return argv[:cut], argv[cut + 1 :]
+    return argv, None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    head, guest_argv = split_guest_argv(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(head)
+    if guest_argv is not None:
+        args.command = [*args.command, *guest_argv]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     install_signal_handlers()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -191,9 +191,8 @@ def detached_vms() -> Iterator[list[VM]]:
             vms.append(vm)
             vm.start()
             vm.save_state()
-            # QEMU serves one QMP client at a time: leave it to the controller.
-            vm.monitor.close()  # type: ignore[union-attr]
-            vm.monitor = None
+            # As `thinvm up` leaves it: no connection of ours stays open.
+            vm.disconnect()
         yield vms
     finally:
         for vm in vms:
@@ -225,7 +224,7 @@ def wait_for_line(log: Path, text: str, timeout: float, after: int = 0) -> None:
 
 @contextlib.contextmanager
 def qmp_of(vm: VM) -> Iterator[VM]:
-    """A QMP connection of our own, while no controller holds QEMU's one."""
+    """A QMP connection of our own, beside the controller's."""
     attached = VM.attach(vm.rundir)
     try:
         yield attached

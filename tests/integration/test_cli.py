@@ -76,12 +76,13 @@ def test_up_balloon_migrate_down() -> None:
 
 
 def test_down_stops_a_vm_whose_monitor_is_gone() -> None:
-    """A VM whose QMP socket vanished is still stopped by 'down', not orphaned."""
+    """A VM whose QMP sockets vanished is still stopped by 'down', not orphaned."""
     name = "clidown"
     try:
         thinvm("up", "--name", name, "--memory", "512M")
         (pid,) = qemu_pids(name)
-        (run_dir() / name / "qmp.sock").unlink()
+        for sock in (run_dir() / name).glob("qmp*.sock"):
+            sock.unlink()
         out = thinvm("down", name)
         assert f"killed QEMU pid {pid}" in out.stderr
     finally:

@@ -11,12 +11,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import assert_clean_stderr
+from thinvm.balance.daemon import load_status
 from thinvm.paths import REPO
 
 pytestmark = pytest.mark.guest
@@ -77,13 +79,75 @@ def private_run_dir() -> Iterator[dict[str, str]]:
     shutil.rmtree(run, ignore_errors=True)
 
 
-def test_readme_using_it_block_runs_as_written(private_run_dir: dict[str, str]) -> None:
+# The controller beside the README's VM: every decision logged (-v), and a
+# floor above the README's `balloon vm1 1G`, so that handing the VM back
+# makes it act at once, whatever the host's pressure.
+CONTROLLER = ["balance", "run", "--interval", "1", "--floor", "1536M", "-v"]
+# What the controller must never log while it shares the VM with the CLI.
+CONTROLLER_ERRORS = ("cannot connect", "not sampled", "cannot attach", "FAILED", "Traceback")
+
+
+def start_controller(env: dict[str, str], state: Path, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [THINVM, *CONTROLLER, "--state", str(state)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def wait_for_log(log: Path, pattern: str, after: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, log.read_text()[after:], re.M):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"controller logged no {pattern!r}:\n{log.read_text()[after:][-3000:]}")
+
+
+def test_readme_using_it_block_runs_as_written_beside_the_controller(
+    private_run_dir: dict[str, str], tmp_path: Path
+) -> None:
+    """The README block, unchanged, while `thinvm balance run` manages its VM."""
     commands = readme_commands()
     assert [argv[1] for argv in commands] == list(EXPECTED), "README block changed: update EXPECTED"
-    for argv in commands:
-        proc = run(argv, private_run_dir)
-        check_clean(proc, argv)
-        assert re.search(EXPECTED[argv[1]], proc.stdout, re.M), (argv, proc.stdout)
+    state, log = tmp_path / "balance.json", tmp_path / "balance.log"
+    controller = start_controller(private_run_dir, state, log)
+    try:
+        for argv in commands:
+            if argv[1] == "down":
+                check_controller_acts_after_migrate(argv[2], private_run_dir, log)
+            proc = run(argv, private_run_dir)
+            check_clean(proc, argv)
+            assert re.search(EXPECTED[argv[1]], proc.stdout, re.M), (argv, proc.stdout)
+        # The controller runs on without the VM it managed.
+        cycle = load_status(state)["cycle"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and load_status(state)["cycle"] < cycle + 2:
+            time.sleep(0.2)
+        status = load_status(state)
+        assert status["cycle"] >= cycle + 2 and status["vms"] == {}, status
+        assert controller.poll() is None, f"controller exited:\n{log.read_text()[-3000:]}"
+    finally:
+        controller.terminate()
+        controller.wait(30)
+    text = log.read_text()
+    for word in CONTROLLER_ERRORS:
+        assert word not in text, f"controller logged {word!r}:\n{text[-4000:]}"
+
+
+def check_controller_acts_after_migrate(name: str, env: dict[str, str], log: Path) -> None:
+    """After the README's balloon and migrate: the controller left the VM at the
+    operator's 1 GiB and now manages the QEMU that took over; handed back,
+    it acts on it (restores its 1.5 GiB floor)."""
+    mark = len(log.read_text())
+    wait_for_log(log, rf"cycle \d+ {name}: held at 1\.00 GiB by an operator", mark)
+    argv = ["thinvm", "balloon", name, "auto"]
+    proc = run(argv, env)
+    check_clean(proc, argv)
+    wait_for_log(log, rf"cycle \d+ {name}: set 1\.00 GiB -> 1\.50 GiB: below its floor", mark)
 
 
 @pytest.mark.parametrize("driver", ["stock", "thinvm"])
@@ -99,6 +163,16 @@ def test_each_command_attaches_afresh_across_balloon_changes(
         ),
         (["balloon", name, "512M"], r"actual 512\.00 MiB"),
         (["exec", name, "--", "echo", "one"], r"^one$"),
+        # After `--` the guest gets the argv word for word ...
+        (
+            ["exec", name, "--", "printf", "[%s]", "a  b", "it's", '"q"', "$HOME", ">x", "a;b"],
+            r"""^\[a  b\]\[it's\]\["q"\]\[\$HOME\]\[>x\]\[a;b\]$""",
+        ),
+        # ... and shell syntax is the guest shell's when asked for.
+        (
+            ["exec", name, "--", "sh", "-c", "dd if=/dev/zero bs=1k count=3 2>/dev/null | wc -c"],
+            r"^ *3072$",
+        ),
         (["balloon", name, "1G"], r"actual 1\.00 GiB"),
         (["exec", name, "--", "echo", "two"], r"^two$"),
         (["migrate", name], r"migrated in"),
@@ -111,7 +185,36 @@ def test_each_command_attaches_afresh_across_balloon_changes(
     ]
     for args, expected in steps:
         argv = ["thinvm", *args]
-        # An agent that stopped answering must fail here, not after 300 s.
-        proc = run(argv, private_run_dir, timeout=120)
+        if args[0] == "migrate" and len(args) == 2:
+            proc = run_beside_others(argv, name, private_run_dir)
+        else:
+            # An agent that stopped answering must fail here, not after 300 s.
+            proc = run(argv, private_run_dir, timeout=120)
         check_clean(proc, argv)
         assert re.search(expected, proc.stdout, re.M), (argv, proc.stdout)
+
+
+def run_beside_others(
+    argv: list[str], name: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`argv` while other commands use the same VM: a long guest command and
+    a quick one take turns on the agent, status gets a monitor of its own."""
+    others = {
+        ("exec", name, "--", "sh", "-c", "sleep 2; echo slow"): r"^slow$",
+        ("exec", name, "--", "echo", "quick"): r"^quick$",
+        # The source, or the QEMU that took over: never an error.
+        ("status", name): r": (running|postmigrate), guest",
+    }
+    procs = [
+        subprocess.Popen(
+            [THINVM, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for args in others
+    ]
+    main = run(argv, env, timeout=120)
+    for (args, expected), proc in zip(others.items(), procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+        check_clean(done, ["thinvm", *args])
+        assert re.search(expected, out, re.M), (args, out)
+    return main

@@ -20,6 +20,7 @@ class FakeBackend:
 
     def __init__(self, fail_on: int | None = None) -> None:
         self.actual = {"g": 1 * GiB}
+        self.held: dict[str, int] = {}
         self.sent: list[tuple[str, int]] = []
         self.fail_on = fail_on
 
@@ -30,6 +31,7 @@ class FakeBackend:
                 1 * GiB,
                 actual,
                 GuestStats(age=0.5, total=1 * GiB, free=actual - 200 * MiB, available=actual),
+                held=self.held.get(name),
             )
             for name, actual in self.actual.items()
         ]
@@ -68,6 +70,25 @@ def test_loop_shrinks_an_idle_guest_step_by_step_and_records_why(tmp_path: Path)
     assert status["vms"]["g"]["target"] == targets[-1]
     text = "\n".join(format_status(status))
     assert "g: actual" in text and "shrink" in text
+
+
+def test_a_vm_an_operator_ballooned_is_left_there_until_handed_back(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    backend.actual["h"] = 1 * GiB
+    backend.held["h"] = backend.actual["h"] = 900 * MiB  # thinvm balloon h 900M
+    ctl = controller(backend, tmp_path / "s.json", verbose=True)
+    lines: list[str] = []
+    ctl.log = lines.append
+    ctl.run(cycles=6)
+    assert {vm for vm, _ in backend.sent} == {"g"}, "the held VM was touched"
+    assert sum(" h: held at 900.00 MiB by an operator" in line for line in lines) == 6
+    status = load_status(tmp_path / "s.json")["vms"]["h"]
+    assert status["target"] == 900 * MiB and "held at 900.00 MiB by an operator" in status["reason"]
+    del backend.held["h"]  # thinvm balloon h auto
+    ctl.run(cycles=6)
+    shrinks = [t for vm, t in backend.sent if vm == "h"]
+    # The policy carries on from the operator's target, a step at a time.
+    assert shrinks and 900 * MiB - shrinks[0] <= 128 * MiB
 
 
 def test_dry_run_sets_nothing(tmp_path: Path) -> None:

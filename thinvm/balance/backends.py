@@ -11,17 +11,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from thinvm.balance.model import Backing, HostSample, VmSample, parse_guest_stats
 from thinvm.errors import ThinvmError
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
-from thinvm.paths import run_dir
-from thinvm.units import KiB
+from thinvm.units import KiB, format_size
+from thinvm.vm import balloon, registry
+from thinvm.vm.machine import VM
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
+MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
+MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
+T = TypeVar("T")
+
+
+class HeldByOperator(ThinvmError):
+    """An operator set the VM's target after the cycle sampled it: not changed."""
 
 
 class VmBackend(Protocol):
@@ -127,6 +135,13 @@ class ThinvmBackend:
     Talks QMP through each VM's monitor (thinvm.vm.balloon).  Turns on
     statistics polling on a VM that has it off, since without statistics
     the controller never shrinks a guest.
+
+    A detached VM is used alongside everyone else's commands: the
+    controller holds one QMP monitor of its own (the VM has several), and
+    it talks to a VM only under the VM's name lock (thinvm.vm.registry),
+    so a migration's switchover or a `down` happens between two of its
+    cycles, never in the middle of one; afterwards it attaches to the QEMU
+    that took the name over.
     """
 
     name = "thinvm"
@@ -142,41 +157,54 @@ class ThinvmBackend:
         self._names = set(names)  # only these detached VMs; empty: all
         self._attached: dict[str, Any] = {}
 
-    def _vms(self) -> list[Any]:
-        if self._given is not None:
-            return [vm for vm in self._given if vm.alive()]
-        from thinvm.vm.machine import VM
-
-        names = sorted(p.parent.name for p in run_dir().glob("*/state.json"))
+    def _managed(self) -> list[str]:
+        # A VM mid-switchover is missing from the listing for a moment:
+        # the ones attached already are looked at again under their lock.
+        names = set(registry.names()) | set(self._attached)
         if self._names:
-            names = [name for name in names if name in self._names]
-        for gone in set(self._attached) - set(names):
-            self._attached.pop(gone).disconnect()
-        for name in names:
-            if name in self._attached and not self._attached[name].alive():
-                self._attached.pop(name).disconnect()
-            if name not in self._attached:
-                try:
-                    self._attached[name] = VM.attach(run_dir() / name)
-                except (ThinvmError, OSError) as exc:
-                    self.log(f"{name}: cannot attach: {exc}")
-        return list(self._attached.values())
+            names &= self._names
+        return sorted(names)
+
+    def _attach(self, name: str) -> Any | None:
+        """The VM called `name`, attached; None if it is gone.  Needs its name lock."""
+        vm = self._attached.get(name)
+        try:
+            state = registry.read_state(name)
+        except ThinvmError:
+            state = None
+        if vm is not None and (state is None or state.get("pid") != vm.pid or not vm.alive()):
+            self._attached.pop(name).disconnect()  # stopped, or replaced by a migration
+            vm = None
+        if state is None:
+            return None
+        if vm is None:
+            vm = VM.attach(registry.rundir(name))
+            self._attached[name] = vm
+        vm.operator_target = state.get("operator_target")
+        return vm
+
+    def _each_vm(self, func: Callable[[Any], T]) -> list[T]:
+        """func(vm) for every VM managed, each under its name lock."""
+        if self._given is not None:
+            return [func(vm) for vm in self._given if vm.alive()]
+        results = []
+        for name in self._managed():
+            try:
+                with registry.name_lock(name):
+                    vm = self._attach(name)
+                    if vm is not None:
+                        results.append(func(vm))
+            except (ThinvmError, OSError, TimeoutError) as exc:
+                self.log(f"{name}: not sampled: {exc}")
+        return results
 
     def pids(self) -> list[int]:
-        return [vm.pid for vm in self._vms() if vm.pid is not None]
+        return [pid for pid in self._each_vm(lambda vm: vm.pid) if pid is not None]
 
     def sample(self) -> list[VmSample]:
-        samples = []
-        for vm in self._vms():
-            try:
-                samples.append(self._sample_one(vm))
-            except (ThinvmError, OSError, TimeoutError) as exc:
-                self.log(f"{vm.config.name}: not sampled: {exc}")
-        return samples
+        return self._each_vm(self._sample_one)
 
     def _sample_one(self, vm: Any) -> VmSample:
-        from thinvm.vm import balloon
-
         name, config = vm.config.name, vm.config
         mem = vm.host_memory()
         if not config.balloon.enabled:
@@ -187,7 +215,10 @@ class ThinvmBackend:
             balloon.enable_stats(vm, STATS_POLL_SECONDS)
         stats = parse_guest_stats(balloon.stats(vm), now=time.time())
         status = vm.qmp("query-migrate").get("status", "none")
-        migrating = status in ("setup", "active", "pre-switchover", "device", "postcopy-active")
+        # A source that finished migrating waits in `postmigrate` for its
+        # switchover: a target sent to it would be lost.
+        runstate = vm.qmp("query-status")["status"]
+        migrating = status in MIGRATING or runstate in MIGRATION_RUNSTATES
         return VmSample(
             name=name,
             max_memory=config.memory,
@@ -197,16 +228,27 @@ class ThinvmBackend:
             backing=_backing_of(config, mem.anon_huge),
             host_rss=mem.rss,
             reporting=config.balloon.free_page_reporting,
+            held=vm.operator_target,
         )
 
     def set_target(self, vm: str, target: int) -> None:
-        from thinvm.vm import balloon
-
-        for machine in self._vms():
-            if machine.config.name == vm:
-                balloon.set_target(machine, target)
-                return
-        raise ThinvmError(f"VM {vm!r} is gone")
+        if self._given is not None:
+            for machine in self._given:
+                if machine.config.name == vm and machine.alive():
+                    balloon.set_target(machine, target)
+                    return
+            raise ThinvmError(f"VM {vm!r} is gone")
+        with registry.name_lock(vm):
+            machine = self._attach(vm)
+            if machine is None:
+                raise ThinvmError(f"VM {vm!r} is gone")
+            if machine.operator_target is not None:
+                # An operator got there between our sample and now.
+                raise HeldByOperator(
+                    f"held at {format_size(machine.operator_target)} by an operator "
+                    "(thinvm balloon) since this cycle's sample"
+                )
+            balloon.set_target(machine, target)
 
     def close(self) -> None:
         for vm in self._attached.values():

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.balance.backends import HostSource, VmBackend
+from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend
 from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
 from thinvm.balance.policies import Inputs, Policy
 from thinvm.errors import ThinvmError
@@ -154,21 +154,50 @@ class Controller:
     def step(self) -> CycleReport:
         host = self.host.sample()
         samples = self.backend.sample()
+        managed = [s for s in samples if s.held is None]
         inputs = Inputs(
-            self.cycle, self.interval, host, samples, self._limits(samples), self.states
+            self.cycle, self.interval, host, managed, self._limits(managed), self.states
         )
         plan = self.policy.decide(inputs)
         previous = dict(self.states)
-        self.states = {s.name: plan.states.get(s.name, VmState()) for s in samples}
-        report = CycleReport(self.cycle, host, samples, plan.decisions, 0)
+        held = self._held(samples)
+        states = {**plan.states, **{name: state for name, (state, _) in held.items()}}
+        self.states = {s.name: states.get(s.name, VmState()) for s in samples}
+        decisions = [*plan.decisions, *(decision for _, decision in held.values())]
+        report = CycleReport(self.cycle, host, samples, decisions, 0)
         self._save(report, finished=False)  # before acting: a restart re-sends these
         by_name = {s.name: s for s in samples}
-        for decision in plan.decisions:
+        for decision in report.decisions:
             self._act(decision, by_name[decision.vm], previous, report)
         if report.errors:
             self._save(report, finished=True)
         self.cycle += 1
         return report
+
+    def _held(self, samples: list[VmSample]) -> dict[str, tuple[VmState, Decision]]:
+        """VMs an operator set a target for: no policy touches them.
+
+        Their state remembers that target as the last one, so that when
+        they are handed back the policy carries on from where they are.
+        """
+        held = {}
+        for sample in samples:
+            if sample.held is None:
+                continue
+            reason = (
+                f"held at {format_size(sample.held)} by an operator (thinvm balloon); "
+                f"'thinvm balloon {sample.name} auto' hands it back"
+            )
+            state = self.states.get(sample.name, VmState()).but(
+                # Trends start afresh when the VM is handed back.
+                target=sample.held,
+                last_actual=sample.actual,
+                last_used=None,
+                calm_cycles=0,
+                reason=reason,
+            )
+            held[sample.name] = (state, Decision(sample.name, None, reason))
+        return held
 
     def _act(
         self,
@@ -189,6 +218,13 @@ class Controller:
             return
         try:
             self.backend.set_target(decision.vm, decision.target)
+        except HeldByOperator as exc:
+            # Not a failure: the operator's target stands, as it will next cycle.
+            self.states[decision.vm] = self.states[decision.vm].but(
+                target=previous.get(decision.vm, VmState()).target
+            )
+            self.log(f"{where}: not set {change}: {exc}")
+            return
         except (ThinvmError, OSError, TimeoutError) as exc:
             report.errors.append(f"{decision.vm}: {exc}")
             self.states[decision.vm] = self.states[decision.vm].but(

@@ -116,6 +116,9 @@ class VmSample:
     backing: Backing = Backing.ANONYMOUS
     host_rss: int | None = None
     reporting: bool = False  # free page reporting on: its free memory is the host's already
+    # A target an operator set (`thinvm balloon`): the controller leaves the
+    # VM there, whatever the policy, until the operator hands it back.
+    held: int | None = None
 
 
 @dataclass(frozen=True)

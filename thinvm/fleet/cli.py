@@ -3,13 +3,13 @@ thinvm.fleet (see docs/fleet.md)."""
 
 import argparse
 import json
-import shlex
 import sys
 from typing import Any
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import domain_xml
+from thinvm.guest.agent import shell_line
 from thinvm.units import parse_size
 
 
@@ -92,7 +92,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     host = guest.find_guest(state, args.name)
     client = guest.agent(host, args.name)
     try:
-        result = client.run(shlex.join(args.command))
+        result = client.run(shell_line(args.command))
     finally:
         client.close()
     # As `thinvm exec`: the guest's stderr goes to ours, so pipes stay clean.
@@ -245,9 +245,14 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     _add_guest_options(p)
     p.set_defaults(func=cmd_start)
 
-    p = fsub.add_parser("exec", help="run a command in a cluster guest (agent)")
+    p = fsub.add_parser(
+        "exec",
+        help="run a command in a cluster guest (agent)",
+        description="Everything after '--' is the guest's argv, passed word for word; "
+        "for shell syntax run sh -c 'LINE'.",
+    )
     p.add_argument("name")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("command", nargs="*", help="the guest's argv, after '--'")
     p.set_defaults(func=cmd_exec)
 
     p = fsub.add_parser("migrate", help="live-migrate a guest to another cluster host")

@@ -6,14 +6,19 @@ shell command; replies are `PONG <token>` and
 `DONE <status> <out_len> <err_len>` + stdout + stderr.
 """
 
+import contextlib
 import json
 import secrets
+import shlex
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from thinvm.errors import GuestError
+from thinvm.host.locks import FileLock
 
 # How long a fresh connection waits for the agent's PONG before a command.
 SYNC_TIMEOUT = 30.0
@@ -34,26 +39,82 @@ class CommandResult:
         return json.loads(lines[-1])
 
 
-class AgentClient:
-    """Talks to thinvm-agent through QEMU's chardev socket."""
+def shell_line(argv: Sequence[str]) -> str:
+    """The `/bin/sh -c` line that runs exactly `argv`, word for word.
 
-    def __init__(self, path: str) -> None:
+    The agent always hands its command to a shell, so an argv (what
+    `thinvm exec NAME -- ...` receives) is quoted word by word: spaces,
+    quotes, `$` and redirections reach the program as they were given.
+    Shell syntax is the user's to ask for, as `sh -c 'LINE'`.
+    """
+    if not argv:
+        raise GuestError("no guest command: give one after '--', e.g. 'thinvm exec vm -- uname -a'")
+    return shlex.join(argv)
+
+
+class AgentClient:
+    """Talks to thinvm-agent through QEMU's chardev socket.
+
+    QEMU's chardev socket serves one client at a time; a second one sits
+    unanswered in the listen backlog until the first disconnects.  A
+    client of a VM that other processes use too (a detached VM: the CLI,
+    the balance controller, tests) therefore passes `lock`: then every
+    request takes that lock file, connects, syncs, runs and disconnects,
+    so clients take turns instead of timing out on each other.  Without a
+    lock (a VM this process owns) the connection stays open between
+    requests.  docs/protocol/agent.md says why turns rather than a second
+    port.
+    """
+
+    def __init__(self, path: str, lock: Path | None = None) -> None:
         self.path = path
+        self._lock = FileLock(lock) if lock is not None else None
         self._sock: socket.socket | None = None
         self._buf = b""
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(self.path)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
             self._sock = sock
             self._buf = b""
         return self._sock
 
-    def close(self) -> None:
+    def _disconnect(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def close(self) -> None:
+        self._disconnect()
+        if self._lock is not None:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _turn(self, timeout: float) -> Iterator[None]:
+        """This client's turn on a shared agent: from lock to disconnect."""
+        if self._lock is None or self._lock.held:
+            yield
+            return
+        try:
+            taken = self._lock.acquire(timeout)
+        except FileNotFoundError as exc:
+            raise GuestError(
+                f"the VM of {self.path} is gone: it was stopped or migrated to another host"
+            ) from exc
+        if not taken:
+            raise GuestError(
+                f"guest agent {self.path} stayed busy with another client's command for "
+                f"{timeout:.0f} s: retry when it is done, or give a longer timeout"
+            )
+        try:
+            yield
+        finally:
+            self.close()
 
     def _recv_more(self, deadline: float) -> None:
         sock = self._connect()
@@ -63,7 +124,7 @@ class AgentClient:
         sock.settimeout(remaining)
         chunk = sock.recv(1 << 16)
         if not chunk:
-            self.close()
+            self._disconnect()
             raise GuestError(f"agent socket {self.path} closed by QEMU")
         self._buf += chunk
 
@@ -85,6 +146,10 @@ class AgentClient:
         Anything else on the wire (a stale reply from before a reconnect or
         a migration) is skipped until the matching PONG arrives.
         """
+        with self._turn(timeout):
+            return self._ping(timeout)
+
+    def _ping(self, timeout: float) -> bool:
         token = secrets.token_hex(8)
         marker = f"PONG {token}\n".encode()
         deadline = time.monotonic() + timeout
@@ -97,17 +162,21 @@ class AgentClient:
             self._buf = self._buf.split(marker, 1)[1]
             return True
         except (TimeoutError, OSError):
-            self.close()
+            self._disconnect()
             return False
 
     def wait_ready(self, timeout: float) -> float:
         """Ping until the agent answers; returns the seconds it took."""
+        with self._turn(timeout):
+            return self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> float:
         start = time.monotonic()
         deadline = start + timeout
         while time.monotonic() < deadline:
             try:
                 # Longer than the agent's 2 s reply grace (docs/protocol/agent.md).
-                if self.ping(timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
+                if self._ping(timeout=min(3.0, max(0.1, deadline - time.monotonic()))):
                     return time.monotonic() - start
             except GuestError:
                 pass
@@ -116,11 +185,15 @@ class AgentClient:
 
     def run(self, command: str, timeout: float = 300.0) -> CommandResult:
         """Run a shell command in the guest and wait for its exit status."""
+        with self._turn(timeout):
+            return self._run(command, timeout)
+
+    def _run(self, command: str, timeout: float) -> CommandResult:
         if self._sock is None:
             # A fresh connection (every CLI command makes one) first syncs
             # with a PING: stale bytes are skipped, and an agent that does
             # not answer fails in seconds instead of after `timeout`.
-            self.wait_ready(min(timeout, SYNC_TIMEOUT))
+            self._wait_ready(min(timeout, SYNC_TIMEOUT))
         deadline = time.monotonic() + timeout
         payload = command.encode()
         try:
@@ -133,7 +206,7 @@ class AgentClient:
             err = self._read_exact(err_len, deadline)
         except TimeoutError as exc:
             # The reply may still come; a fresh connection must resync.
-            self.close()
+            self._disconnect()
             raise GuestError(f"guest command {command!r} timed out after {timeout:.0f} s") from exc
         return CommandResult(
             command, status, out.decode(errors="replace"), err.decode(errors="replace")

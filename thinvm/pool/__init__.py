@@ -37,7 +37,7 @@ Modules, by responsibility:
 - worker: fills, scrubs and shrinks (serve runs it as daemon or one-shot);
 - daemon: spawning, waking, waiting on and stopping the worker and the pool;
 - report: `thinvm pool status`;
-- start: VMs started from a slot, private pools for tests and benchmarks;
+- start: private pools for tests and benchmarks (a VM on a slot: thinvm.vm.pooled);
 - __main__: `python -m thinvm.pool serve ROOT [--once]`, how the worker is spawned.
 """
 
@@ -100,11 +100,7 @@ from thinvm.pool.report import (
     format_status,
     status,
 )
-from thinvm.pool.start import (
-    PoolStart,
-    start_from_pool,
-    temporary_pool,
-)
+from thinvm.pool.start import temporary_pool
 from thinvm.pool.store import (
     LOCK_FILE,
     LOG_FILE,
@@ -151,7 +147,6 @@ __all__ = [
     "PoolError",
     "PoolLog",
     "PoolSpec",
-    "PoolStart",
     "PoolState",
     "PoolStatus",
     "Pressure",
@@ -186,7 +181,6 @@ __all__ = [
     "serve",
     "shortage",
     "spawn_daemon",
-    "start_from_pool",
     "status",
     "stop",
     "take",

@@ -22,13 +22,17 @@ def query(vm: VM) -> BalloonStatus:
     return BalloonStatus(actual=int(info["actual"]), target=None)
 
 
-def set_target(vm: VM, size: int) -> None:
-    """Ask the guest to leave `size` bytes of memory outside the balloon."""
+def check_target(vm: VM, size: int) -> None:
     memory = vm.config.memory
     if size <= 0 or size > memory:
         raise ThinvmError(
             f"balloon target {format_size(size)} is outside 1 byte .. {format_size(memory)}"
         )
+
+
+def set_target(vm: VM, size: int) -> None:
+    """Ask the guest to leave `size` bytes of memory outside the balloon."""
+    check_target(vm, size)
     vm.qmp("balloon", value=size)
 
 

@@ -23,11 +23,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from thinvm import pool as pool_mod
 from thinvm.errors import ThinvmError
 from thinvm.guest.agent import AgentClient
 from thinvm.guest.image import GuestImage, ensure_image
+from thinvm.host.locks import FileLock
 from thinvm.host.memory import HostMemory, host_meminfo, process_memory
+from thinvm.pool import lease as pool_lease
+from thinvm.pool.model import PoolEmpty
 from thinvm.qemu import accel as accel_mod
 from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
@@ -38,6 +40,12 @@ AGENT_PORT_NAME = "org.thinvm.agent"
 # specification reserves its feature bit.
 BALLOON_RANGES_PROPERTY = "x-ranges"
 UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux
+# QEMU's QMP monitors serve one client each, so a VM has several: the
+# owner or a CLI command, the balance controller, and two more for
+# commands that overlap (a `status` during a `migrate`).  A client takes a
+# free one under a lock file (see Monitors in docs/protocol/agent.md).
+QMP_MONITORS = 4
+QMP_CONNECT_TIMEOUT = 10.0
 MIN_MEMORY = 256 * MiB
 PR_SET_PDEATHSIG = 1
 
@@ -166,18 +174,32 @@ class VM:
         self.process: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self.monitor: Monitor | None = None
-        self.agent = AgentClient(str(self.agent_socket))
+        self._monitor_lock: FileLock | None = None
+        # A detached VM has other clients (CLI commands, the controller):
+        # they take turns on its agent, one request at a time.
+        agent_lock = self.rundir / "agent.lock" if detached else None
+        self.agent = AgentClient(str(self.agent_socket), lock=agent_lock)
         self.build: QemuBuild | None = None
         self.image: GuestImage | None = None
         self.accel: str | None = None
         self.boot_seconds: float | None = None
-        self.pool_lease: pool_mod.Lease | None = None
+        self.pool_lease: pool_lease.Lease | None = None
         self.pool_note = ""  # why a VM with config.pool got no slot
+        # A balloon target an operator set with `thinvm balloon`: the
+        # controller leaves the VM there until `thinvm balloon NAME auto`.
+        self.operator_target: int | None = None
 
     # -- paths -------------------------------------------------------------
     @property
     def qmp_socket(self) -> Path:
+        """The first QMP monitor's socket, the one the VM's owner uses."""
         return self.rundir / "qmp.sock"
+
+    @property
+    def qmp_sockets(self) -> list[Path]:
+        """Every QMP monitor's socket: qmp.sock, qmp-1.sock, ..."""
+        extra = [self.rundir / f"qmp-{i}.sock" for i in range(1, QMP_MONITORS)]
+        return [self.qmp_socket, *extra]
 
     @property
     def agent_socket(self) -> Path:
@@ -242,6 +264,12 @@ class VM:
         # so host-RSS assertions measure guest memory, not the JIT.
         return ["-accel", "tcg,tb-size=256", "-cpu", "max"]
 
+    def _qmp_args(self) -> list[str]:
+        args: list[str] = []
+        for sock in self.qmp_sockets:
+            args += ["-qmp", f"unix:{sock},server=on,wait=off"]
+        return args
+
     def command_line(self) -> list[str]:
         assert self.build is not None and self.image is not None
         cfg = self.config
@@ -271,8 +299,7 @@ class VM:
             append,
             "-serial",
             f"file:{self.serial_log}",
-            "-qmp",
-            f"unix:{self.qmp_socket},server=on,wait=off",
+            *self._qmp_args(),
             "-device",
             "virtio-serial-pci,id=vser0",
             "-chardev",
@@ -303,16 +330,16 @@ class VM:
         if self.config.pool is None or self.pool_lease is not None:
             return
         try:
-            self.pool_lease = pool_mod.acquire(
+            self.pool_lease = pool_lease.acquire(
                 self.config.pool, self.config.memory, self.config.name
             )
-        except pool_mod.PoolEmpty as exc:
+        except PoolEmpty as exc:
             self.pool_note = f"{exc}: preallocating anonymous RAM instead"
 
     def _return_pool_slot(self) -> None:
         """QEMU is gone: its slot is scrubbed before anyone gets it again."""
         if self.config.pool is not None:
-            pool_mod.release_vm(self.config.pool, self.pool_lease, self.pid)
+            pool_lease.release_vm(self.config.pool, self.pool_lease, self.pid)
             self.pool_lease = None
 
     def _spawn(self) -> None:
@@ -352,6 +379,11 @@ class VM:
     def _wait_for_qmp(self) -> None:
         timeout = self._qmp_timeout()
         deadline = time.monotonic() + timeout
+        # A new QEMU: nobody else knows its monitors yet.
+        lock = FileLock(_monitor_lock_path(self.qmp_socket))
+        if not lock.try_acquire():
+            raise ThinvmError(f"{lock.path} is locked by another process: is the VM running?")
+        self._monitor_lock = lock
         while True:
             if not self.alive():
                 raise ThinvmError(f"QEMU exited at start: {self._qemu_output_tail()}")
@@ -371,7 +403,7 @@ class VM:
     def check_socket_paths(self) -> None:
         """QEMU would fail late, and cryptically, on a socket path that does
         not fit in a UNIX socket address (sun_path, 108 bytes with its NUL)."""
-        for sock in (self.qmp_socket, self.agent_socket):
+        for sock in (*self.qmp_sockets, self.agent_socket):
             size = len(os.fsencode(sock))
             if size >= UNIX_PATH_MAX:
                 raise ThinvmError(
@@ -423,6 +455,42 @@ class VM:
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+        if self._monitor_lock is not None:
+            self._monitor_lock.release()
+            self._monitor_lock = None
+
+    def connect_monitor(self, timeout: float = QMP_CONNECT_TIMEOUT) -> None:
+        """Connect to a QMP monitor of the VM that no other client holds.
+
+        Waits up to `timeout` for one to come free.  A monitor whose socket
+        does not answer is skipped; if none answers, the first error is
+        raised (`thinvm down` then kills the QEMU by pid).
+        """
+        deadline = time.monotonic() + timeout
+        errors: list[ThinvmError] = []
+        while True:
+            for sock in self.qmp_sockets:
+                lock = FileLock(_monitor_lock_path(sock))
+                if not lock.try_acquire():
+                    continue
+                monitor = Monitor(f"thinvm-{self.config.name}")
+                try:
+                    monitor.connect(str(sock), max(1.0, deadline - time.monotonic()))
+                except ThinvmError as exc:
+                    monitor.close()
+                    lock.release()
+                    errors.append(exc)
+                    continue
+                self.monitor, self._monitor_lock = monitor, lock
+                return
+            if errors:
+                raise errors[0]
+            if time.monotonic() >= deadline:
+                raise ThinvmError(
+                    f"all {QMP_MONITORS} QMP monitors of VM {self.config.name!r} stayed in use "
+                    f"for {timeout:.0f} s: retry when one of the other commands is done"
+                )
+            time.sleep(0.1)
 
     def kill(self) -> None:
         """Stop QEMU now and release everything (idempotent)."""
@@ -468,17 +536,25 @@ class VM:
 
     # -- detached VMs (thinvm up/down) -------------------------------------
     def save_state(self) -> None:
+        """Write state.json whole or not at all: other clients read it any time."""
         state = {
             "config": self.config.to_json(),
             "pid": self.pid,
             "accel": self.accel,
             "build": self.config.build,
+            "operator_target": self.operator_target,
         }
-        (self.rundir / "state.json").write_text(json.dumps(state, indent=2))
+        tmp = self.rundir / f".state.json.{os.getpid()}"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.rundir / "state.json")
 
     @classmethod
-    def attach(cls, rundir: Path) -> "VM":
-        """Reconnect to a detached VM started by `thinvm up`."""
+    def attach(cls, rundir: Path, monitor: bool = True) -> "VM":
+        """Reconnect to a detached VM started by `thinvm up`.
+
+        monitor=False: no QMP monitor, for a client that needs only the
+        agent (it takes its turns there, and leaves the monitors to others).
+        """
         state_file = rundir / "state.json"
         if not state_file.is_file():
             raise ThinvmError(f"no VM named {rundir.name!r}: start one with 'thinvm up'")
@@ -486,14 +562,19 @@ class VM:
         vm = cls(VMConfig.from_json(state["config"]), rundir=rundir, detached=True)
         vm.pid = int(state["pid"])
         vm.accel = state.get("accel")
+        vm.operator_target = state.get("operator_target")
         if not vm.alive():
             raise ThinvmError(
                 f"VM {rundir.name!r} is not running any more (pid {vm.pid}); "
                 f"see {vm.serial_log}, then 'thinvm down {rundir.name}'"
             )
-        vm.monitor = Monitor(f"thinvm-{vm.config.name}")
-        vm.monitor.connect(str(vm.qmp_socket))
+        if monitor:
+            vm.connect_monitor()
         return vm
+
+
+def _monitor_lock_path(sock: Path) -> Path:
+    return sock.with_suffix(".lock")
 
 
 def _pid_alive(pid: int) -> bool:

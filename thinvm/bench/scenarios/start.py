@@ -8,6 +8,7 @@ from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Vari
 from thinvm.errors import ThinvmError
 from thinvm.host.procs import process_age
 from thinvm.units import format_size
+from thinvm.vm import pooled
 from thinvm.vm.machine import VM
 
 
@@ -38,7 +39,7 @@ def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenari
             began = time.monotonic()
             with pool.temporary_pool(kind, size, tag=f"b-start-{kind}") as warm:
                 fill_s = time.monotonic() - began
-                start = pool.start_from_pool(opts.vm_config("b-start", size), warm.root)
+                start = pooled.start_from_pool(opts.vm_config("b-start", size), warm.root)
                 with start.vm as vm:
                     if not start.pooled:
                         raise ThinvmError(f"no warm slot: {start.lease}")

@@ -1,0 +1,265 @@
+"""`thinvm up|status|balloon|migrate|down|exec`: detached VMs by name,
+a thin layer over thinvm.vm.registry."""
+
+import argparse
+import sys
+
+from thinvm.errors import ThinvmError
+from thinvm.guest import trim_cli
+from thinvm.guest.agent import shell_line
+from thinvm.pool import cli as pool_cli
+from thinvm.progress import ProgressLine
+from thinvm.qemu import builds
+from thinvm.units import format_size, parse_size
+from thinvm.vm import balloon, migrate, registry
+from thinvm.vm.machine import BalloonOptions, VMConfig
+
+EXEC_DESCRIPTION = """\
+Run a command in the guest and exit with its status.
+
+Everything after '--' is the guest's argv, passed word for word: no
+shell sees it, so spaces, quotes, '$' and '>' arrive as given.  For
+shell syntax, ask for a shell:
+
+  thinvm exec vm1 -- sh -c 'dd if=/dev/zero of=/tmp/f bs=1M count=8 2>/dev/null'
+"""
+
+
+def add_vm_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that launches a guest."""
+    parser.add_argument("--build", default="stock", help="QEMU build: stock or patched")
+    parser.add_argument("--memory", "-m", default="2G", help="guest RAM (e.g. 2G, 512M)")
+    parser.add_argument("--cpus", type=int, default=1)
+    parser.add_argument("--accel", default="auto", help="auto, tcg or kvm")
+    parser.add_argument("--kernel", default="6.1", help="guest kernel: 6.1 or 6.12")
+    parser.add_argument(
+        "--driver", default="stock", help="guest balloon driver: stock, thinvm, none, or a .ko"
+    )
+    parser.add_argument("--backend", default="ram", help="ram, memfd or file:PATH")
+    parser.add_argument("--prealloc", action="store_true", help="preallocate guest RAM")
+    parser.add_argument("--prealloc-threads", type=int, default=1)
+    parser.add_argument(
+        "--no-reserve", action="store_true", help="do not reserve swap/RAM for guest memory"
+    )
+    parser.add_argument("--no-balloon", action="store_true", help="no virtio-balloon device")
+    parser.add_argument("--deflate-on-oom", action="store_true")
+    parser.add_argument("--free-page-hint", action="store_true")
+    parser.add_argument("--free-page-reporting", action="store_true")
+    parser.add_argument(
+        "--ranges", action="store_true", help="offer page-range ballooning (--build patched)"
+    )
+
+
+def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig:
+    builds.check_flavour(args.build)
+    if args.cpus < 1:
+        raise ThinvmError(f"--cpus must be at least 1, not {args.cpus}")
+    return VMConfig(
+        name=name,
+        build=args.build,
+        memory=parse_size(args.memory),
+        cpus=args.cpus,
+        accel=args.accel,
+        kernel=args.kernel,
+        guest_driver=args.driver,
+        backend=args.backend,
+        prealloc=args.prealloc,
+        prealloc_threads=args.prealloc_threads,
+        reserve=not args.no_reserve,
+        balloon=BalloonOptions(
+            enabled=not args.no_balloon,
+            deflate_on_oom=args.deflate_on_oom,
+            free_page_hint=args.free_page_hint,
+            free_page_reporting=args.free_page_reporting,
+            ranges=args.ranges,
+        ),
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    config = config_from_args(args, args.name)
+    if args.pool is not None:
+        config.pool = str(pool_cli.pool_root(args.pool))
+    vm = registry.up(config)
+    if vm.pool_note:
+        print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
+    print(
+        f"{args.name}: up (pid {vm.pid}, {vm.accel}, {format_size(vm.config.memory)}, "
+        f"agent ready after {vm.boot_seconds:.1f} s); serial log {vm.serial_log}"
+    )
+    if vm.pool_lease is not None:
+        print(f"{args.name}: RAM from {vm.pool_lease.describe()}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    names = [args.name] if args.name else registry.names()
+    if not names:
+        print("no VMs running (start one with 'thinvm up')")
+    for name in names:
+        with registry.attached(name) as vm:
+            status = vm.qmp("query-status")["status"]
+            mem = vm.host_memory()
+            line = (
+                f"{name}: {status}, guest {format_size(vm.config.memory)}, "
+                f"host RSS {format_size(mem.rss)} (THP {format_size(mem.anon_huge)})"
+            )
+            if vm.config.balloon.enabled:
+                line += f", balloon actual {format_size(balloon.query(vm).actual)}"
+            if vm.operator_target is not None:
+                line += f" (held at {format_size(vm.operator_target)}: thinvm balloon)"
+            print(line)
+    return 0
+
+
+def cmd_balloon(args: argparse.Namespace) -> int:
+    with registry.attached(args.name) as vm:
+        if not vm.config.balloon.enabled:
+            raise ThinvmError(f"VM {args.name!r} has no balloon device")
+        if args.size == "auto":
+            registry.set_operator_target(vm, None)
+            print(f"{args.name}: balloon left to the balance controller")
+            return 0
+        target = parse_size(args.size)
+        balloon.check_target(vm, target)
+        before = vm.host_memory().rss
+        # Recorded first, so that a balance controller leaves the VM alone
+        # from now on rather than undoing the target while we wait for it.
+        registry.set_operator_target(vm, target)
+        balloon.set_target(vm, target)
+        seconds = balloon.wait_actual(vm, target, timeout=args.timeout)
+        after = vm.host_memory().rss
+        print(
+            f"{args.name}: actual {format_size(balloon.query(vm).actual)} after {seconds:.2f} s; "
+            f"host RSS {format_size(before)} -> {format_size(after)}"
+        )
+    return 0
+
+
+def _warn(note: str) -> None:
+    print(f"thinvm: {note}", file=sys.stderr)
+
+
+def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
+    line = ProgressLine()
+    return line, lambda info: line.update(migrate.describe_progress(info))
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    with registry.attached(args.name) as src:
+        if args.sparse and src.config.build != "patched":
+            raise ThinvmError(
+                "--sparse needs the patched QEMU build: start the VM with --build patched"
+            )
+        if args.postcopy is not None and args.postcopy < 0:
+            raise ThinvmError(f"--postcopy {args.postcopy:g}: want seconds, 0 or more")
+        if args.trim:
+            trim_cli.before_migration(src, args.name)
+        # Said both ways: a VM that arrived by an earlier migration still has
+        # the capabilities it was received with.
+        caps = {"postcopy-ram": args.postcopy is not None}
+        if src.config.build == "patched":
+            caps["sparse-ram"] = args.sparse
+        line, progress = _progress_printer()
+        try:
+            if args.uri:
+                result = registry.migrate_to_uri(
+                    src, args.uri, caps, progress, args.postcopy, warn=_warn
+                )
+            else:
+                result = registry.migrate_locally(src, caps, progress, args.postcopy, warn=_warn)
+        finally:
+            line.done()
+    postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
+    print(
+        f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
+        f"{format_size(result.transferred)} sent, {result.normal_pages} normal + "
+        f"{result.zero_pages} zero pages"
+        + (f", {format_size(postcopy)} of it in postcopy" if args.postcopy is not None else "")
+    )
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    names = registry.names() if args.all else [args.name]
+    if not args.all and not args.name:
+        raise ThinvmError("name a VM or pass --all")
+    for name in names:
+        for note in registry.down(name):
+            print(f"{name}: {note}", file=sys.stderr)
+        print(f"{name}: down")
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    line = shell_line(args.command)
+    with registry.attached(args.name, monitor=False) as vm:
+        result = vm.agent.run(line, timeout=args.timeout)
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.status
+
+
+def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("up", help="start a VM in the background")
+    p.add_argument("--name", default="thinvm")
+    add_vm_options(p)
+    p.add_argument(
+        "--pool",
+        nargs="?",
+        const="",
+        metavar="ROOT",
+        help="RAM from a warm pool slot (thinvm pool start), else preallocate",
+    )
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("status", help="state, balloon and host memory of VMs")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "balloon",
+        help="set the balloon so the guest keeps SIZE ('auto': leave it to thinvm balance)",
+    )
+    p.add_argument("name")
+    p.add_argument(
+        "size",
+        help="what the guest keeps, e.g. 1G; a balance controller then leaves the VM there "
+        "until 'thinvm balloon NAME auto'",
+    )
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_balloon)
+
+    p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
+    p.add_argument("name")
+    p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
+    p.add_argument(
+        "--sparse", action="store_true", help="skip RAM the host never populated (sparse-ram)"
+    )
+    p.add_argument(
+        "--postcopy",
+        type=float,
+        metavar="SECONDS",
+        help="switch to postcopy this long after the start (0: at once); with --uri the "
+        "destination must have postcopy-ram on",
+    )
+    p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
+    p.set_defaults(func=cmd_migrate)
+
+    trim_cli.add_parser(sub, registry.attached)
+
+    p = sub.add_parser("down", help="stop a VM")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--all", action="store_true")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser(
+        "exec",
+        help="run a command in the guest",
+        description=EXEC_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name")
+    p.add_argument("command", nargs="*", help="the guest's argv, after '--'")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_exec)
