@@ -10,16 +10,21 @@
 #                               tsan), guest under KVM; a test fails if
 #                               TSan reports a race with a frame in
 #                               sparse-ram's code
+#   --match REGEX               only the tests whose path matches (grep -P)
 set -uo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 build=$cache/qemu/patched-build
 venv=${THINVM_VENV:-$cache/venv}
-tsan=0
-if [ "${1:-}" = --tsan ]; then
-	tsan=1
-	build=$cache/qemu/tsan-build
-fi
+tsan=0 match=
+while [ $# -gt 0 ]; do
+	case $1 in
+	--tsan) tsan=1 build=$cache/qemu/tsan-build ;;
+	--match) match=$2; shift ;;
+	*) echo "usage: $0 [--tsan] [--match REGEX]" >&2; exit 2 ;;
+	esac
+	shift
+done
 qos=/x86_64/pc/i440FX-pcihost/pci-bus-pc/pci-bus/virtio-balloon-pci/virtio-balloon/virtio-balloon-tests
 
 mig=/x86_64/migration/sparse-ram
@@ -42,8 +47,11 @@ tests=(
 	"migration-test:$mig/multifd/tcp"
 	"migration-test:$mig/discarded/precopy"
 	"migration-test:$mig/discarded/multifd"
+	"migration-test:$mig/discarded/after-send/precopy"
+	"migration-test:$mig/discarded/after-send/multifd"
 	"migration-test:$mig/file"
 	"migration-test:$mig/mapped-ram"
+	"migration-test:$mig/mapped-ram/plain-destination"
 	"migration-test:$mig/cancel-and-retry"
 	"migration-test:$mig/destination-without-capability"
 	"migration-test:$mig/refuse/shared-memory"
@@ -72,6 +80,15 @@ if [ $tsan = 1 ]; then
 		"migration-test:$mig/multifd/tcp"
 		"migration-test:$mig/discarded/multifd"
 	)
+fi
+
+if [ -n "$match" ]; then
+	selected=()
+	for pair in "${tests[@]}"; do
+		grep -qP -- "$match" <<<"${pair#*:}" && selected+=("$pair")
+	done
+	[ ${#selected[@]} -gt 0 ] || { echo "no test matches '$match'" >&2; exit 2; }
+	tests=("${selected[@]}")
 fi
 
 for bin in $([ $tsan = 1 ] || echo qos-test) migration-test; do

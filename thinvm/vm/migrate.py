@@ -136,7 +136,12 @@ def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
     says is missing.  The destination is only ever asked out of band: its
     main thread may itself wait on a page that can only come once the
     migration resumes.
+
+    Only a destination that runs the guest can pause: one still loading
+    the switchover package (devices, discard list) fails the incoming
+    migration on a broken channel, as upstream QEMU does, so wait for it.
     """
+    wait_destination_status(dst, "running", timeout)
     src.qmp("migrate-pause")
     wait_source_status(src, ("postcopy-paused",), timeout)
     uri = f"tcp:127.0.0.1:{free_port()}"
