@@ -45,6 +45,7 @@ tests=(
 	"migration-test:$mig/precopy/unix"
 	"migration-test:$mig/precopy/pagemap-read"
 	"migration-test:$mig/multifd/tcp"
+	"migration-test:$mig/multifd/plain-destination"
 	"migration-test:$mig/discarded/precopy"
 	"migration-test:$mig/discarded/multifd"
 	"migration-test:$mig/discarded/after-send/precopy"

@@ -304,6 +304,33 @@ def test_stock_qemu_does_not_know_the_capability(make_vm: VMFactory) -> None:
         migrate.set_capabilities(src, SPARSE)
 
 
+def test_stock_destination_loads_a_sparse_multifd_stream(
+    make_vm: VMFactory, tmp_path: Path
+) -> None:
+    """thinvm host -> a host still on stock QEMU, as in a rolling upgrade (patch 0023).
+
+    Over multifd, a stock destination already takes its fresh memory to be
+    zero (it never clears a zero page it receives first), so the source
+    may leave out what it never populated without the destination taking
+    part.  The guest is paused so that RAM can be compared byte for byte;
+    the source must have skipped most of it.  (Over the main channel a
+    destination must still take part: qtest destination-without-capability.)
+    """
+    config = patched("sparse-to-stock", memory=1 * GiB)
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=59)
+    src.qmp("stop")
+    stock = VMConfig.from_json({**paused_destination(config).to_json(), "build": "stock"})
+    dst = make_vm(stock, incoming=True)
+    multifd = {"multifd": True}
+    migrate.set_capabilities(dst, multifd)
+    uri = migrate.start_incoming(dst, migrate.free_port())
+    result = migrate.migrate_to_uri(src, uri, caps={**SPARSE, **multifd}, params=migrate.UNCAPPED)
+    migrate.wait_destination_status(dst, "paused")
+    assert result.sparse_skipped > 512 * MiB // PAGE, result
+    assert_identical_memory(src, dst, tmp_path)
+
+
 def save_to_file(vm: VM, path: Path, caps: dict[str, bool]) -> tuple[float, dict[str, object]]:
     """Save the (paused) guest to `path` with `caps`; return seconds and query-migrate."""
     migrate.set_capabilities(vm, caps)

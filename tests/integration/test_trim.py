@@ -16,7 +16,9 @@ the background reclaimer on for a hot reader and under pressure.
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,12 +96,17 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def run_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """A run directory of our own, for this process and the CLI's."""
-    run = tmp_path / "run"
-    run.mkdir()
-    monkeypatch.setenv("THINVM_RUN", str(run))
+def run_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """A run directory of our own, for this process and the CLI's.
+
+    Short on purpose: under pytest's tmp_path, a local migration's staging
+    directory (.NAME.incoming-XXXXXXXX) puts the QMP socket past the 107
+    bytes a UNIX socket path may have.
+    """
+    run = tempfile.mkdtemp(prefix="tt-", dir="/tmp")
+    monkeypatch.setenv("THINVM_RUN", run)
     yield dict(os.environ)
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def start_detached(name: str, config: VMConfig, env: dict[str, str]) -> VM:
