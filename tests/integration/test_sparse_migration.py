@@ -143,7 +143,11 @@ def memory_cgroup() -> Iterator[Path]:
     try:
         yield path
     finally:
+        # The test's VMs are stopped later, by make_vm's teardown: hand
+        # them to the root group first, or the directory stays behind.
         with contextlib.suppress(OSError):
+            for pid in (path / "cgroup.procs").read_text().split():
+                (root / "cgroup.procs").write_text(pid)
             path.rmdir()
 
 
