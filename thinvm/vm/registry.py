@@ -168,7 +168,8 @@ def _read_state(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _agent_quiet(vm: VM, warn: Callable[[str], None]) -> FileLock | None:
+@contextlib.contextmanager
+def _agent_quiet(vm: VM, warn: Callable[[str], None]) -> Iterator[None]:
     """Take the source's agent turn for a migration, so that guest commands
     do not straddle the switchover, where their answer would be lost.
 
@@ -179,13 +180,17 @@ def _agent_quiet(vm: VM, warn: Callable[[str], None]) -> FileLock | None:
     is lost.
     """
     lock = FileLock(vm.rundir / "agent.lock")
-    if lock.acquire(AGENT_QUIET_TIMEOUT):
-        return lock
-    warn(
-        f"{vm.config.name}: a guest command (thinvm exec) is still running after "
-        f"{AGENT_QUIET_TIMEOUT:.0f} s: migrating anyway; that command's answer will be lost"
-    )
-    return None
+    if not lock.acquire(AGENT_QUIET_TIMEOUT):
+        warn(
+            f"{vm.config.name}: a guest command (thinvm exec) is still running after "
+            f"{AGENT_QUIET_TIMEOUT:.0f} s: migrating anyway; that command's answer will be lost"
+        )
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def migrate_to_uri(
@@ -197,17 +202,13 @@ def migrate_to_uri(
     warn: Callable[[str], None] = lambda _note: None,
 ) -> migrate.MigrationResult:
     """Migrate a detached VM to a destination someone else started; it leaves this host."""
-    quiet = _agent_quiet(src, warn)
-    try:
+    with _agent_quiet(src, warn):
         result = migrate.migrate_to_uri(
             src, uri, caps=caps, progress=progress, postcopy_after=postcopy_after
         )
         with name_lock(src.config.name, exclusive=True):
             src.shutdown()
             _discard(src.rundir)
-    finally:
-        if quiet is not None:
-            quiet.release()
     return result
 
 
@@ -219,12 +220,8 @@ def migrate_locally(
     warn: Callable[[str], None] = lambda _note: None,
 ) -> migrate.MigrationResult:
     """Migrate a detached VM into a new local QEMU that then takes over its name."""
-    quiet = _agent_quiet(src, warn)
-    try:
+    with _agent_quiet(src, warn):
         return _migrate_locally(src, caps, progress, postcopy_after)
-    finally:
-        if quiet is not None:
-            quiet.release()
 
 
 def _migrate_locally(
