@@ -103,10 +103,16 @@ def verify_pattern(h: Host, name: str, seed: int) -> None:
 
 def qemu_pids_in(h: Host) -> list[int]:
     pids = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout
-    return [
-        int(p) for p in pids.split()
-        if b"qemu-system" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]  # fmt: skip
+    return [int(p) for p in pids.split() if is_qemu(int(p))]
+
+
+def is_qemu(pid: int) -> bool:
+    """A process listed a moment ago may have exited since (a killed QEMU,
+    a short-lived helper): that is not a QEMU, not an error."""
+    try:
+        return b"qemu-system" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.mark.parametrize("kernel", ["6.1", "6.12"])
@@ -245,10 +251,17 @@ def migrate_while(h1: Host, h2: Host, name: str, fault: Callable[[], list[int]])
     done: list[int] = []
     stop = threading.Event()
 
+    errors: list[BaseException] = []
+
     def inject() -> None:
-        while not stop.is_set() and not done:
-            done.extend(fault())
-            time.sleep(0.02)
+        # An exception must not end the poller silently: the fault would
+        # never come and the test would fail for the wrong reason.
+        try:
+            while not stop.is_set() and not done:
+                done.extend(fault())
+                time.sleep(0.02)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
 
     injector = threading.Thread(target=inject)
     injector.start()
@@ -258,6 +271,8 @@ def migrate_while(h1: Host, h2: Host, name: str, fault: Callable[[], list[int]])
     finally:
         stop.set()
         injector.join()
+    if errors:
+        raise errors[0]
     return done
 
 
