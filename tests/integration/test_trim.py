@@ -41,32 +41,10 @@ SEED = 2020
 PAGE = 4096
 
 
-def scratch_disk(path: Path, size: int) -> Path:
-    """A raw image of non-zero data (one random MiB, repeated)."""
-    block = os.urandom(MiB)
-    with path.open("wb") as f:
-        for _ in range(size // MiB):
-            f.write(block)
-    return path
-
-
-def disk_args(path: Path) -> list[str]:
-    # Read-only: the source and the destination of a migration open it
-    # at once, and the guest only reads.
-    return ["-drive", f"file={path},if=virtio,format=raw,readonly=on"]
-
-
 def page_cache(agent: AgentClient) -> int:
     """Buffers + Cached: a raw block device's pages count as Buffers."""
     info = workload.meminfo(agent)
     return info["Buffers"] + info["Cached"]
-
-
-def read_disk(agent: AgentClient, size: int, passes: int = 1, skip: int = 0) -> None:
-    agent.check(
-        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
-        f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done"
-    )
 
 
 def refaults(agent: AgentClient) -> int:
@@ -131,22 +109,22 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
     tmp_path: Path, run_env: dict[str, str], kernel: str, driver: str
 ) -> None:
     name = "trim"
-    disk = scratch_disk(tmp_path / "scratch.img", DISK)
+    disk = workload.scratch_disk(tmp_path / "scratch.img", DISK)
     config = VMConfig(
         name=name,
         memory=1 * GiB,
         kernel=kernel,
         guest_driver=driver,
         balloon=BalloonOptions(free_page_reporting=True),
-        extra_args=disk_args(disk),
+        extra_args=workload.disk_args(disk),
     )
     vm = start_detached(name, config, run_env)
     try:
         agent = AgentClient(str(vm.agent_socket))
-        agent.check("sleep 1000000 </dev/vda >/dev/null 2>&1 &")
+        workload.hold_disk_open(agent)
         workload.pattern_write(agent, PATTERN, SEED)
-        read_disk(agent, DISK)  # once: all of it is cold
-        read_disk(agent, HOT, passes=3)  # the hot subset, activated
+        workload.read_disk(agent, DISK)  # once: all of it is cold
+        workload.read_disk(agent, HOT, passes=3)  # the hot subset, activated
         cache_read = page_cache(agent)
         assert cache_read >= DISK - 16 * MiB, format_size(cache_read)
         status = trim.reclaimer_status(agent)
@@ -192,7 +170,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
             # first trim takes it; it comes back once and is kept after
             # (the background check below runs after that).
             before = refaults(agent)
-            read_disk(agent, HOT)
+            workload.read_disk(agent, HOT)
             hot_refaults = refaults(agent) - before
             print(f"hot refaults after the trim: {hot_refaults}; lru_gen {status['lru_gen']}")
             if status["lru_gen"]:
@@ -219,7 +197,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
 
 def background_keeps_hot_and_backs_off_under_pressure(agent: AgentClient) -> None:
     # Fresh cold cache for the background reclaimer to find.
-    read_disk(agent, COLD_AGAIN, skip=HOT)
+    workload.read_disk(agent, COLD_AGAIN, skip=HOT)
     on = trim.set_background(agent, True)
     assert on is not None and on["background"]
     # It takes the cold pages while a reader keeps its hot subset.

@@ -2,8 +2,19 @@
 
 from typing import Any
 
-from thinvm.bench.scenarios.overcommit import GuestRun, Setup, Shared, Workload, _metrics
+import pytest
+
+from thinvm.bench.scenarios.overcommit import (
+    GuestRun,
+    Setup,
+    Shared,
+    Workload,
+    _metrics,
+    _sweep_counts,
+    _sweep_metrics,
+)
 from thinvm.bench.types import RunContext
+from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 
 
@@ -16,7 +27,8 @@ class FakeSampler:
 
 def metrics(setup: Setup, runs: list[GuestRun], shared: Shared, alive: list[bool]) -> Any:
     ctx = RunContext("overcommit", "v", 1, 1)
-    return _metrics(setup, runs, alive, 0, 300 * MiB, FakeSampler(), None, ctx, shared)  # type: ignore[arg-type]
+    count = len(runs)
+    return _metrics(setup, count, runs, alive, 0, 300 * MiB, FakeSampler(), None, ctx, shared, 3)  # type: ignore[arg-type]
 
 
 def run(name: str, seconds: list[float], finished: bool = True, ooms: int = 0) -> GuestRun:
@@ -31,9 +43,12 @@ def test_workload_steps() -> None:
 def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -> None:
     shared = Shared()
     free = metrics(
-        Setup(False, False, None), [run("a", [10.0]), run("b", [12.0])], shared, [True] * 2
+        Setup(False, False, None),
+        [run(n, [t]) for n, t in zip("abcde", [10.0, 12.0, 11.0, 9.0, 13.0], strict=True)],
+        shared,
+        [True] * 5,
     )
-    assert shared.reference_work == 11.0 and free["fit_guests"] == 2
+    assert shared.reference_work == {5: 11.0} and free["fit_guests"] == 5
     runs = [
         run("ok", [13.0]),  # 1.18x
         run("slow", [14.0]),  # 1.27x
@@ -46,8 +61,26 @@ def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -
     assert got["guest_oom_kills"] == 1
     assert got["finished_guests"] == 4
     assert got["swap_peak_bytes"] == 5 * MiB
+    assert got["steps_done"] == 5 and got["host_swapin_bytes"] == 3 * 4096
 
 
 def test_no_reference_no_fit() -> None:
     got = metrics(Setup(True, False, None), [run("a", [10.0])], Shared(), [True])
     assert got["fit_guests"] is None
+
+
+def test_sweep_counts_parse_and_reject_nonsense() -> None:
+    assert _sweep_counts("", 4) == [4]
+    assert _sweep_counts("5,3,4", 4) == [3, 4, 5]
+    with pytest.raises(ThinvmError, match="guest counts"):
+        _sweep_counts("3,x", 4)
+    with pytest.raises(ThinvmError, match="start at 1"):
+        _sweep_counts("0,2", 4)
+
+
+def test_sweep_fit_is_the_most_guests_that_all_fit() -> None:
+    per_count = {3: {"fit_guests": 3}, 4: {"fit_guests": 4}, 5: {"fit_guests": 3}}
+    got = _sweep_metrics(Setup(True, True, "thinvm"), per_count)
+    assert got["fit_guests"] == 4 and got["guests_tried"] == 5
+    none_fit = {3: {"fit_guests": 1}}
+    assert _sweep_metrics(Setup(True, False, None), none_fit)["fit_guests"] == 1

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from thinvm.balance.backends import domain_sample, migrating_from_jobinfo, parse_domstats
 from thinvm.balance.daemon import Controller, format_status, load_status
-from thinvm.balance.model import GuestStats, HostSample, VmSample
+from thinvm.balance.model import GuestStats, HostSample, Reclaimer, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, KiB, MiB
@@ -23,6 +23,9 @@ class FakeBackend:
         self.held: dict[str, int] = {}
         self.sent: list[tuple[str, int]] = []
         self.fail_on = fail_on
+        self.reclaimer: Reclaimer | None = None
+        self.reporting = False
+        self.switched: list[tuple[str, bool]] = []
 
     def sample(self) -> list[VmSample]:
         return [
@@ -32,9 +35,16 @@ class FakeBackend:
                 actual,
                 GuestStats(age=0.5, total=1 * GiB, free=actual - 200 * MiB, available=actual),
                 held=self.held.get(name),
+                reporting=self.reporting,
+                reclaimer=self.reclaimer,
             )
             for name, actual in self.actual.items()
         ]
+
+    def set_reclaim(self, vm: str, on: bool) -> None:
+        self.switched.append((vm, on))
+        assert self.reclaimer is not None
+        self.reclaimer = Reclaimer(available=True, background=on, reclaimed_bytes=5 * MiB)
 
     def set_target(self, vm: str, target: int) -> None:
         if self.fail_on is not None and len(self.sent) == self.fail_on:
@@ -171,3 +181,18 @@ def test_host_sources_read_this_host() -> None:
         assert "does not exist" in str(exc)
     else:
         raise AssertionError("a missing cgroup must be an error")
+
+
+def test_trim_first_switches_the_reclaimer_on_once_and_status_shows_the_working_set(
+    tmp_path: Path,
+) -> None:
+    backend = FakeBackend()
+    backend.reporting = True
+    backend.reclaimer = Reclaimer(available=True, background=False)
+    ctl = controller(backend, tmp_path / "s.json")
+    ctl.run(cycles=4)
+    assert backend.switched == [("g", True)]
+    # Free page reporting returns the guest's free memory: no balloon.
+    assert backend.sent == []
+    text = "\n".join(format_status(load_status(tmp_path / "s.json")))
+    assert "working set ~" in text and "guest reclaimer on: 5.00 MiB reclaimed" in text

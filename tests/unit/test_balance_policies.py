@@ -13,6 +13,7 @@ from thinvm.balance.model import (
     Backing,
     GuestStats,
     HostSample,
+    Reclaimer,
     VmLimits,
     VmSample,
     VmState,
@@ -519,3 +520,84 @@ def test_reporting_guest_is_shrunk_under_pressure_and_given_back_when_calm() -> 
     shrunk_sample = VmSample("a", 1 * GiB, shrunk, stats(free=shrunk - 224 * MiB), reporting=True)
     plan = run(policy, [shrunk_sample], states=states, cycle=6)
     assert plan.decisions[0].target == shrunk + policy.params.inflate_step
+
+
+# -- trim first --------------------------------------------------------------
+
+RECLAIMER_OFF = Reclaimer(available=True, background=False)
+RECLAIMER_ON = Reclaimer(available=True, background=True, reclaimed_bytes=300 * MiB)
+# Pressure the guests' reclaimers can relieve: over the reserve, not critical.
+PRESSED = HostSample(total=4 * GiB, available=250 * MiB, psi_some_avg10=25.0, psi_full_avg10=0.0)
+CRITICAL = HostSample(total=4 * GiB, available=100 * MiB, psi_some_avg10=40.0, psi_full_avg10=5.0)
+
+
+def cached_guest(reclaimer: Reclaimer | None, reporting: bool = True) -> VmSample:
+    """An idle guest holding 600 MiB of page cache, little of it free."""
+    st = stats(free=100 * MiB, available=700 * MiB, caches=600 * MiB)
+    return VmSample("a", 1 * GiB, 1 * GiB, st, reporting=reporting, reclaimer=reclaimer)
+
+
+def test_a_reporting_guest_with_a_reclaimer_gets_it_switched_on_once() -> None:
+    policy = ThinvmPolicy()
+    plan = run(policy, [cached_guest(RECLAIMER_OFF)])
+    assert plan.decisions[0].reclaim is True and "trim first" in plan.decisions[0].reason
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], states=plan.states)
+    assert plan.decisions[0].reclaim is None
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        cached_guest(None),  # no agent, an old one, a libvirt domain
+        cached_guest(Reclaimer(available=False, background=False)),  # no memory.reclaim
+        cached_guest(RECLAIMER_OFF, reporting=False),  # the host would get nothing back
+    ],
+)
+def test_no_trimming_where_it_cannot_return_memory(sample: VmSample) -> None:
+    assert run(ThinvmPolicy(), [sample]).decisions[0].reclaim is None
+    assert run(ThinvmPolicy(ThinvmParams(trim=False)), [sample]).decisions[0].reclaim is None
+
+
+def test_pressure_a_trimming_guest_relieves_itself_is_not_ballooned() -> None:
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
+    trimming = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states={"a": calm})
+    assert trimming.decisions[0].target is None
+    assert "trims its cold memory" in trimming.decisions[0].reason
+    # The same guest without a reclaimer: the balloon takes its cache.
+    plain = run(policy, [cached_guest(None)], host=PRESSED, states={"a": calm})
+    assert plain.decisions[0].target == 1 * GiB - policy.params.inflate_step_pressure
+
+
+def test_critical_host_balloons_a_trimming_guest_too() -> None:
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=CRITICAL, states={"a": calm})
+    assert plan.decisions[0].target == 1 * GiB - policy.params.inflate_step_pressure
+
+
+def test_working_set_estimate_leaves_out_cache_above_the_floor() -> None:
+    policy = ThinvmPolicy()
+    plan = run(policy, [cached_guest(RECLAIMER_OFF)])
+    # used 924 MiB, cache 600 MiB of which the floor (64 MiB on 1 GiB) stays
+    assert plan.states["a"].working_set == (924 - (600 - 64)) * MiB
+    assert policy.working_set(vm(st=None)) is None
+
+
+def test_under_pressure_a_calm_trimming_guest_is_asked_to_trim_its_cold_cache_now() -> None:
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states={"a": calm})
+    assert plan.decisions[0].trim == policy.params.trim_step  # 536 MiB cold, one step
+    # A calm host: the background reclaimer is enough.
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], states={"a": calm})
+    assert plan.decisions[0].trim is None
+
+
+def test_a_stalling_guests_cache_is_not_trimmed() -> None:
+    policy = ThinvmPolicy()
+    st = stats(free=100 * MiB, available=700 * MiB, caches=600 * MiB, alloc_stalls=9)
+    sample = VmSample("a", 1 * GiB, 1 * GiB, st, reporting=True, reclaimer=RECLAIMER_ON)
+    before = VmState(calm_cycles=10, last_used=924 * MiB, counters={"alloc_stalls": 1})
+    plan = run(policy, [sample], host=PRESSED, states={"a": before})
+    assert plan.decisions[0].trim is None and "alloc stalls +8" in plan.decisions[0].reason

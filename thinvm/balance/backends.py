@@ -7,14 +7,16 @@ small so the daemon, the tests and the benchmark can swap them.
 
 import contextlib
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from thinvm.balance.model import Backing, HostSample, VmSample, parse_guest_stats
-from thinvm.errors import ThinvmError
+from thinvm.balance.model import Backing, HostSample, Reclaimer, VmSample, parse_guest_stats
+from thinvm.errors import GuestError, ThinvmError
+from thinvm.guest import trim
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
@@ -23,6 +25,14 @@ from thinvm.vm import balloon, registry
 from thinvm.vm.machine import VM
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
+# How often the guest reclaimer's counters are read again: they serve the
+# status line and the trim-first rule, neither of which needs them fresher.
+RECLAIMER_REFRESH_SECONDS = 30.0
+# An agent busy with a workload's command is asked again next refresh.
+RECLAIMER_TIMEOUT = 5.0
+# A controller-driven trim holds the guest's agent (which serves one
+# request at a time) this long at most, plus its compaction.
+TRIM_SECONDS = 2.0
 MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
 MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 T = TypeVar("T")
@@ -38,6 +48,10 @@ class VmBackend(Protocol):
     def sample(self) -> list[VmSample]: ...
 
     def set_target(self, vm: str, target: int) -> None: ...
+
+    def set_reclaim(self, vm: str, on: bool) -> None: ...
+
+    def trim(self, vm: str, max_bytes: int) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -156,6 +170,9 @@ class ThinvmBackend:
         self.log = log
         self._names = set(names)  # only these detached VMs; empty: all
         self._attached: dict[str, Any] = {}
+        # name -> (when read, the reclaimer or None if the agent has none)
+        self._reclaimers: dict[str, tuple[float, Reclaimer | None]] = {}
+        self._trims: dict[str, threading.Thread] = {}  # in flight
 
     def _managed(self) -> list[str]:
         # A VM mid-switchover is missing from the listing for a moment:
@@ -229,20 +246,39 @@ class ThinvmBackend:
             host_rss=mem.rss,
             reporting=config.balloon.free_page_reporting,
             held=vm.operator_target,
+            reclaimer=self._reclaimer(vm),
         )
 
-    def set_target(self, vm: str, target: int) -> None:
+    def _reclaimer(self, vm: Any) -> Reclaimer | None:
+        """The guest reclaimer's counters, read at most every refresh period."""
+        name = vm.config.name
+        read_at, known = self._reclaimers.get(name, (0.0, None))
+        if time.monotonic() - read_at < RECLAIMER_REFRESH_SECONDS:
+            return known
+        try:
+            counters = trim.reclaimer_status(vm.agent, timeout=RECLAIMER_TIMEOUT)
+        except (GuestError, OSError, ValueError):
+            counters = None
+        known = Reclaimer.from_counters(counters) if counters is not None else None
+        self._reclaimers[name] = (time.monotonic(), known)
+        return known
+
+    def _with_vm(self, name: str, func: Callable[[Any], T]) -> T:
+        """func(the VM called `name`), under its name lock if detached."""
         if self._given is not None:
             for machine in self._given:
-                if machine.config.name == vm and machine.alive():
-                    balloon.set_target(machine, target)
-                    return
-            raise ThinvmError(f"VM {vm!r} is gone")
-        with registry.name_lock(vm):
-            machine = self._attach(vm)
+                if machine.config.name == name and machine.alive():
+                    return func(machine)
+            raise ThinvmError(f"VM {name!r} is gone")
+        with registry.name_lock(name):
+            machine = self._attach(name)
             if machine is None:
-                raise ThinvmError(f"VM {vm!r} is gone")
-            if machine.operator_target is not None:
+                raise ThinvmError(f"VM {name!r} is gone")
+            return func(machine)
+
+    def set_target(self, vm: str, target: int) -> None:
+        def send(machine: Any) -> None:
+            if self._given is None and machine.operator_target is not None:
                 # An operator got there between our sample and now.
                 raise HeldByOperator(
                     f"held at {format_size(machine.operator_target)} by an operator "
@@ -250,7 +286,47 @@ class ThinvmBackend:
                 )
             balloon.set_target(machine, target)
 
+        self._with_vm(vm, send)
+
+    def set_reclaim(self, vm: str, on: bool) -> None:
+        def switch(machine: Any) -> None:
+            try:
+                counters = trim.set_background(machine.agent, on, timeout=RECLAIMER_TIMEOUT)
+            except (GuestError, OSError, ValueError) as exc:
+                raise ThinvmError(f"guest agent: {exc}") from exc
+            if counters is None:
+                raise ThinvmError("the guest agent predates the reclaimer")
+            self._reclaimers[vm] = (time.monotonic(), Reclaimer.from_counters(counters))
+
+        self._with_vm(vm, switch)
+
+    def trim(self, vm: str, max_bytes: int) -> bool:
+        """Start a bounded trim of `vm`'s guest in the background; False if
+        one is still running.  The cycle does not wait for it: the guest's
+        agent answers only when the trim and its compaction are done."""
+        running = self._trims.get(vm)
+        if running is not None and running.is_alive():
+            return False
+        machine = self._with_vm(vm, lambda m: m)
+
+        def run() -> None:
+            reply, why = trim.request_trim(machine.agent, max_bytes, TRIM_SECONDS)
+            if reply is None:
+                self.log(f"{vm}: trim of {format_size(max_bytes)} not done: {why}")
+                return
+            got = int(reply.get("reclaimed_bytes_trim", 0))
+            self.log(f"{vm}: trimmed {format_size(got)} (stopped: {reply.get('stop', '?')})")
+            self._reclaimers[vm] = (time.monotonic(), Reclaimer.from_counters(reply))
+
+        thread = threading.Thread(target=run, name=f"trim-{vm}", daemon=True)
+        self._trims[vm] = thread
+        thread.start()
+        return True
+
     def close(self) -> None:
+        for thread in self._trims.values():
+            thread.join(timeout=TRIM_SECONDS + trim.COMPACT_SLACK)
+        self._trims.clear()
         for vm in self._attached.values():
             vm.disconnect()
         self._attached.clear()
@@ -379,6 +455,14 @@ class LibvirtBackend:
 
     def set_target(self, vm: str, target: int) -> None:
         self._virsh("setmem", vm, str(target // KiB), "--live")  # KiB
+
+    def set_reclaim(self, vm: str, on: bool) -> None:
+        # Samples carry no reclaimer (libvirt does not reach our agent), so
+        # the policy never asks; say so if something else does.
+        raise ThinvmError("the libvirt backend cannot reach the guest reclaimer")
+
+    def trim(self, vm: str, max_bytes: int) -> bool:
+        raise ThinvmError("the libvirt backend cannot reach the guest reclaimer")
 
     def close(self) -> None:
         pass

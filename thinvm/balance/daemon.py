@@ -76,6 +76,7 @@ class Controller:
     cycle: int = 0
     states: dict[str, VmState] = field(default_factory=dict)
     actions: int = 0
+    trims: int = 0  # trims started
 
     # -- state file --------------------------------------------------------
     def resume(self) -> None:
@@ -124,6 +125,8 @@ class Controller:
                 "acted": bool(decision and decision.acts),
                 "stats_age": sample.stats.age if sample.stats else None,
                 "host_rss": sample.host_rss,
+                "working_set": state.working_set,
+                "reclaimer": asdict(sample.reclaimer) if sample.reclaimer else None,
                 "state": state.to_json(),
             }
         write_json_atomic(
@@ -207,6 +210,10 @@ class Controller:
         report: CycleReport,
     ) -> None:
         where = f"{_stamp()} cycle {report.cycle} {decision.vm}"
+        if decision.reclaim is not None:
+            self._switch_reclaim(decision.vm, decision.reclaim, where, report)
+        if decision.trim:
+            self._trim(decision.vm, decision.trim, where, report)
         if not decision.acts:
             if self.verbose:
                 self.log(f"{where}: {decision.reason}")
@@ -235,6 +242,33 @@ class Controller:
         report.actions += 1
         self.actions += 1
         self.log(f"{where}: set {change}: {decision.reason}")
+
+    def _switch_reclaim(self, vm: str, on: bool, where: str, report: CycleReport) -> None:
+        what = f"guest reclaimer {'on' if on else 'off'}"
+        if self.dry_run:
+            self.log(f"{where}: would switch the {what}")
+            return
+        try:
+            self.backend.set_reclaim(vm, on)
+        except (ThinvmError, OSError, TimeoutError) as exc:
+            report.errors.append(f"{vm}: {what}: {exc}")
+            self.log(f"{where}: FAILED to switch the {what}: {exc}")
+            return
+        self.log(f"{where}: switched the {what} (trim first)")
+
+    def _trim(self, vm: str, size: int, where: str, report: CycleReport) -> None:
+        if self.dry_run:
+            self.log(f"{where}: would trim {format_size(size)}")
+            return
+        try:
+            started = self.backend.trim(vm, size)
+        except (ThinvmError, OSError, TimeoutError) as exc:
+            report.errors.append(f"{vm}: trim: {exc}")
+            self.log(f"{where}: FAILED to start a trim: {exc}")
+            return
+        if started:
+            self.trims += 1
+            self.log(f"{where}: trimming up to {format_size(size)} of cold cache")
 
     def run(self, cycles: int | None = None, stop: Callable[[], bool] | None = None) -> None:
         """Cycle every `interval` seconds until `cycles` are done or `stop()`."""
@@ -299,4 +333,23 @@ def format_status(data: dict[str, Any], now: float | None = None) -> list[str]:
             f"target {format_size(target) if target is not None else 'never set'} "
             f"of {format_size(vm.get('max_memory', 0))}: {vm.get('reason', '')}"
         )
+        lines.append(f"    {_working_set_line(vm)}")
     return lines
+
+
+def _working_set_line(vm: dict[str, Any]) -> str:
+    ws = vm.get("working_set")
+    rss = vm.get("host_rss")
+    line = f"working set ~{format_size(ws)}" if ws is not None else "working set unknown"
+    if rss is not None:
+        line += f", host RSS {format_size(rss)}"
+    rec = vm.get("reclaimer")
+    if not rec:
+        return f"{line}; no guest reclaimer reachable"
+    if not rec.get("available"):
+        return f"{line}; guest reclaimer unavailable"
+    mode = "on" if rec.get("background") else "off"
+    return (
+        f"{line}; guest reclaimer {mode}: {format_size(rec.get('reclaimed_bytes', 0))} "
+        f"reclaimed, {rec.get('backoffs', 0)} backoffs, {rec.get('refault_pages', 0)} refaults"
+    )

@@ -119,6 +119,30 @@ class VmSample:
     # A target an operator set (`thinvm balloon`): the controller leaves the
     # VM there, whatever the policy, until the operator hands it back.
     held: int | None = None
+    # The guest's reclaimer (docs/working-set.md): None if the backend
+    # cannot reach it (no agent, an old agent, a libvirt domain).
+    reclaimer: "Reclaimer | None" = None
+
+
+@dataclass(frozen=True)
+class Reclaimer:
+    """The guest agent's cold-memory reclaimer, as its counters last said."""
+
+    available: bool  # memory.reclaim is usable in the guest
+    background: bool  # continuous, pressure-gated reclaim is on
+    reclaimed_bytes: int = 0
+    backoffs: int = 0  # held back for stalls or refaults: the working set was reached
+    refault_pages: int = 0
+
+    @classmethod
+    def from_counters(cls, counters: dict[str, Any]) -> "Reclaimer":
+        return cls(
+            available=bool(counters.get("available")),
+            background=bool(counters.get("background")),
+            reclaimed_bytes=int(counters.get("reclaimed_bytes", 0)),
+            backoffs=int(counters.get("backoffs", 0)),
+            refault_pages=int(counters.get("refault_pages", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +173,7 @@ class VmState:
     peak_growth: int = 0  # largest recent growth of used memory in one cycle (decaying)
     cooldown_until: int = 0  # no shrinking before this cycle
     history: tuple[tuple[int, int], ...] = ()  # (actual, free) samples, oldest first
+    working_set: int | None = None  # estimate: what the guest uses and would refault
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -174,6 +199,12 @@ class Decision:
     vm: str
     target: int | None
     reason: str
+    # Switch the guest's background reclaimer on (True) or off (False);
+    # None: leave it.  Independent of the balloon target.
+    reclaim: bool | None = None
+    # Ask the guest to trim this many bytes of cold memory now (bounded in
+    # time, asynchronous): the host is short and the guest has cold cache.
+    trim: int | None = None
 
     @property
     def acts(self) -> bool:

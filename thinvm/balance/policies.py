@@ -15,7 +15,7 @@ A policy sees only data (thinvm.balance.model); the daemon does the I/O.
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from thinvm.balance.model import (
@@ -87,6 +87,20 @@ class ThinvmParams:
     tolerance: int = 8 * MiB  # |actual - target| that counts as reached
     # A guest with free page reporting is shrunk only under host pressure.
     leave_reported_free: bool = True
+    # Trim first: a reporting guest whose agent has a reclaimer runs it in
+    # the background (pressure-gated in the guest, docs/working-set.md), so
+    # its cold page cache goes back to the host through reporting; the
+    # balloon then shrinks it only when the host is critical.
+    trim: bool = True
+    # The reclaimer's page cache floor, as the agent computes it (without
+    # the active-file part the balloon statistics do not carry).
+    cache_floor_min: int = 64 * MiB
+    cache_floor_fraction: float = 1 / 32
+    # Under host pressure a trimming guest with cold cache is also asked to
+    # trim now, at most this much per cycle: the background reclaimer takes
+    # about 1 % of the guest's memory a second, too slow for a squeeze.
+    trim_step: int = 256 * MiB
+    trim_min: int = 16 * MiB  # less cold cache than this is not worth a request
 
 
 @dataclass(frozen=True)
@@ -143,6 +157,7 @@ class ThinvmPolicy:
     def decide(self, inputs: Inputs) -> Plan:
         host = _host_view(inputs.host, self.params)
         wants = [self._want(inputs, vm, host) for vm in inputs.vms]
+        reclaim = {vm.name: self._reclaim_wish(vm, inputs.limits_of(vm)) for vm in inputs.vms}
         decisions: dict[str, Decision] = {}
         states: dict[str, VmState] = {}
         self._grant_growth(wants, host, decisions)
@@ -162,8 +177,71 @@ class ThinvmPolicy:
                 )
                 state = state.but(cooldown_until=max(state.cooldown_until, until))
             target = decision.target if decision.acts else state.target
-            states[want.vm.name] = state.but(target=target, reason=decision.reason)
+            if reclaim[want.vm.name] is not None:
+                decision = replace(
+                    decision,
+                    reclaim=reclaim[want.vm.name],
+                    reason=f"{decision.reason}; trim first: guest reclaimer on",
+                )
+            trim_now = self._trim_now(want, host)
+            if trim_now:
+                decision = replace(
+                    decision,
+                    trim=trim_now,
+                    reason=f"{decision.reason}; host short: trim {_mib(trim_now)} of cold cache",
+                )
+            decisions[want.vm.name] = decision
+            states[want.vm.name] = state.but(
+                target=target,
+                reason=decision.reason,
+                working_set=self.working_set(want.vm) or state.working_set,
+            )
         return Plan([decisions[vm.name] for vm in inputs.vms], states)
+
+    # -- trimming ----------------------------------------------------------
+    def _trims(self, vm: VmSample) -> bool:
+        """Whether the guest's own reclaimer returns its cold memory: it
+        runs (or is being switched on) and reporting hands it to the host."""
+        rec = vm.reclaimer
+        return self.params.trim and vm.reporting and rec is not None and rec.available
+
+    def _reclaim_wish(self, vm: VmSample, limits: VmLimits) -> bool | None:
+        if _unmanaged(vm, limits) or not self._trims(vm):
+            return None
+        assert vm.reclaimer is not None
+        return None if vm.reclaimer.background else True
+
+    def _trim_now(self, want: _Want, host: _HostView) -> int:
+        """Bytes to trim at once: under host pressure, from a calm trimming
+        guest's cold cache (never from a stressed one: its cache is hot)."""
+        if not host.pressure or want.stressed or not self._trims(want.vm):
+            return 0
+        if _unmanaged(want.vm, want.limits):
+            return 0
+        stats = want.vm.stats
+        if stats is None or stats.caches is None:
+            return 0
+        cold = stats.caches - self._cache_floor(want.vm)
+        if cold < self.params.trim_min:
+            return 0
+        return min(cold, self.params.trim_step)
+
+    def _cache_floor(self, vm: VmSample) -> int:
+        total = (vm.stats.total if vm.stats else None) or vm.max_memory
+        return max(self.params.cache_floor_min, int(total * self.params.cache_floor_fraction))
+
+    def working_set(self, vm: VmSample) -> int | None:
+        """What the guest would keep after trimming: used memory minus the
+        page cache above the reclaimer's floor.  Before the reclaimer ran
+        this counts all such cache as cold; once it ran (and backed off
+        where the guest refaulted) the cache left is the hot part, so the
+        estimate converges on the working set."""
+        stats = vm.stats
+        if vm.actual is None or stats is None or stats.free is None:
+            return None
+        used = vm.actual - stats.free
+        cold = max(0, (stats.caches or 0) - self._cache_floor(vm))
+        return max(0, used - cold)
 
     # -- per VM ------------------------------------------------------------
     def _want(self, inputs: Inputs, vm: VmSample, host: _HostView) -> _Want:
@@ -237,13 +315,17 @@ class ThinvmPolicy:
         )
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
         may_shrink = calm_enough and inputs.cycle >= state.cooldown_until
-        if vm.reporting and not host.pressure and p.leave_reported_free:
+        trimmed = self._trims(vm) and not host.critical
+        if vm.reporting and p.leave_reported_free and (trimmed or not host.pressure):
             # Free page reporting already gives the host the guest's free
-            # memory; a balloon would only make the guest wait for it when
-            # it grows.  Give back what earlier pressure took, a step a cycle.
+            # memory, and the guest's reclaimer its cold memory; a balloon
+            # would only make the guest wait for it when it grows.  Give
+            # back what earlier pressure took, a step a cycle, as far as
+            # the host can spare it.
             current = state.target if state.target is not None else vm.actual
             give_back = min(limits.ceiling, max(desired, current + p.inflate_step))
-            why = f"host calm and free page reporting on: give back ({reason})"
+            why = "host calm" if not host.pressure else "guest trims its cold memory"
+            why = f"{why} and free page reporting on: give back ({reason})"
             return _Want(vm, limits, state, give_back, why)
         return _Want(vm, limits, state, desired, reason, may_shrink=may_shrink)
 

@@ -11,6 +11,7 @@ import json
 import secrets
 import shlex
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class AgentClient:
     def __init__(self, path: str, lock: Path | None = None) -> None:
         self.path = path
         self._lock = FileLock(lock) if lock is not None else None
+        # Threads of one process (a benchmark's workloads and its balance
+        # controller) share a client: one request on the wire at a time.
+        self._busy = threading.RLock()
         self._sock: socket.socket | None = None
         self._buf = b""
 
@@ -97,6 +101,19 @@ class AgentClient:
     @contextlib.contextmanager
     def _turn(self, timeout: float) -> Iterator[None]:
         """This client's turn on a shared agent: from lock to disconnect."""
+        if not self._busy.acquire(timeout=timeout):
+            raise GuestError(
+                f"guest agent {self.path} stayed busy with another thread's request for "
+                f"{timeout:.0f} s"
+            )
+        try:
+            with self._process_turn(timeout):
+                yield
+        finally:
+            self._busy.release()
+
+    @contextlib.contextmanager
+    def _process_turn(self, timeout: float) -> Iterator[None]:
         if self._lock is None or self._lock.held:
             yield
             return
@@ -226,8 +243,12 @@ class AgentClient:
         """Send a one-line request answered with `JSON <n>` + n bytes
         (TRIM and RECLAIM, docs/protocol/agent.md).  Returns None if the
         agent answers `ERR unknown`: it predates the request."""
+        with self._turn(timeout):
+            return self._request_json(request, timeout)
+
+    def _request_json(self, request: str, timeout: float) -> Any:
         if self._sock is None:
-            self.wait_ready(min(timeout, SYNC_TIMEOUT))
+            self._wait_ready(min(timeout, SYNC_TIMEOUT))
         deadline = time.monotonic() + timeout
         try:
             self._connect().sendall(request.encode() + b"\n")
@@ -238,6 +259,6 @@ class AgentClient:
                 raise GuestError(f"agent sent a bad reply header {header!r}")
             body = self._read_exact(int(header[1]), deadline)
         except TimeoutError as exc:
-            self.close()
+            self._disconnect()
             raise GuestError(f"agent request {request!r} timed out after {timeout:.0f} s") from exc
         return json.loads(body)

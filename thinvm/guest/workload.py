@@ -1,6 +1,8 @@
 """Guest workloads driven through the agent (thinvm-mem in the guest)."""
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from thinvm.guest.agent import AgentClient
@@ -54,3 +56,46 @@ def pattern_verify(agent: AgentClient, seed: int, path: str = PATTERN_PATH) -> P
 
 def pattern_corrupt(agent: AgentClient, page: int, path: str = PATTERN_PATH) -> None:
     agent.check(f"thinvm-mem pattern corrupt {path} --page {page}")
+
+
+# -- a scratch disk: page cache the guest can reclaim ------------------------
+#
+# The initramfs root is tmpfs, whose pages are not reclaimable page cache,
+# so guests that need a real page cache get a virtio-blk disk and read it
+# raw: /dev/vda's pages are ordinary file LRU pages ("Buffers").
+
+
+def scratch_disk(path: Path, size: int) -> Path:
+    """A raw image of non-zero data (one random MiB, repeated): zero pages
+    would be sent as zero pages and hide what the cache costs a migration."""
+    block = os.urandom(MiB)
+    with path.open("wb") as f:
+        for _ in range(size // MiB):
+            f.write(block)
+    return path
+
+
+def disk_args(path: Path, direct: bool = False) -> list[str]:
+    """QEMU arguments for the scratch disk.  Read-only: the source and the
+    destination of a migration, or several guests, open it at once.
+    `direct` bypasses the host page cache, so the host's copy of the data
+    is not charged to the guests' memory budget."""
+    cache = ",cache.direct=on" if direct else ""
+    return ["-drive", f"file={path},if=virtio,format=raw,readonly=on{cache}"]
+
+
+def hold_disk_open(agent: AgentClient) -> None:
+    """A block device's page cache is dropped when its last opener closes
+    it: a sleeping process keeps /dev/vda open, as a mounted filesystem
+    would."""
+    agent.check("sleep 1000000 </dev/vda >/dev/null 2>&1 &")
+
+
+def read_disk(
+    agent: AgentClient, size: int, passes: int = 1, skip: int = 0, timeout: float = 300.0
+) -> None:
+    agent.check(
+        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
+        f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done",
+        timeout=timeout,
+    )

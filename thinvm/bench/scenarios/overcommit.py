@@ -2,10 +2,14 @@
 
 N guests whose RAM adds up to well over a host budget (a cgroup-v1 memory
 cgroup, with a swap file so going over it is slow, not fatal) each run a
-phased workload: grow a working set in steps, hold it, free it, idle,
-repeat; guests start staggered so their peaks do not all coincide.  The
-same workload runs under five setups and, first, without any budget
-(the completion-time reference).
+phased workload: read a slice of their disk once (page cache nobody reads
+again, as a booted, updated system holds), grow a working set in steps,
+hold it, free it, idle, repeat; guests start staggered so their peaks do
+not all coincide.  The same workload runs under five setups and, first,
+without any budget (the completion-time reference).
+
+With `--param sweep=3,4,5,6` every variant adds guests under the same
+budget until one does not fit, so `fit_guests` is measured, not inferred.
 
 Plot of the cgroup's memory over time, one line per variant:
 `python -m thinvm.bench.scenarios.overcommit plot bench/results/overcommit-STAMP.json`.
@@ -30,6 +34,7 @@ from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_pol
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
+from thinvm.guest import workload as guest_workload
 from thinvm.host.memory import host_meminfo
 from thinvm.units import MiB, format_size, parse_size
 from thinvm.vm.machine import VM, VMConfig
@@ -48,6 +53,11 @@ class Workload:
     step_pause: float
     hold: float
     idle: float
+    read: int = 0  # read once from the guest's disk each round, bytes
+
+    @property
+    def disk_size(self) -> int:
+        return self.rounds * self.read
 
     @property
     def steps(self) -> int:
@@ -61,6 +71,8 @@ class GuestRun:
     finished: bool = False
     error: str = ""
     oom_kills: int | None = None
+    read_bytes: int = 0
+    stall_us: int | None = None  # the guest's PSI memory `some` total at the end
 
     @property
     def work_seconds(self) -> float:
@@ -70,9 +82,14 @@ class GuestRun:
 def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: threading.Event) -> None:
     """The workload of one guest, through its agent (never its QMP monitor)."""
     try:
+        if work.read:
+            guest_workload.hold_disk_open(vm.agent)
         if stop.wait(delay):
             return
-        for _ in range(work.rounds):
+        for round_ in range(work.rounds):
+            if work.read:
+                guest_workload.read_disk(vm.agent, work.read, skip=round_ * work.read)
+                out.read_bytes += work.read
             for k in range(work.steps):
                 started = time.monotonic()
                 cmd = f"thinvm-mem hold {work.step // MiB} --pidfile /run/ph-{k}.pid"
@@ -91,6 +108,27 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
         out.finished = True
     except ThinvmError as exc:
         out.error = str(exc)[:300]
+
+
+def guest_stall_us(vm: VM) -> int | None:
+    """Microseconds some task in the guest stalled on memory (PSI), ever."""
+    try:
+        text = vm.agent.check("cat /proc/pressure/memory", timeout=30).stdout
+    except ThinvmError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("some "):
+            fields = dict(f.split("=", 1) for f in line.split()[1:])
+            return int(fields.get("total", 0))
+    return None
+
+
+def host_swapins() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "pswpin":
+            return int(value)
+    return 0
 
 
 def guest_oom_kills(vm: VM) -> int | None:
@@ -143,7 +181,8 @@ class Setup:
 class Shared:
     """State across the variants of one scenario run."""
 
-    reference_work: float | None = None  # unconstrained median per-guest work seconds
+    # unconstrained median per-guest work seconds, by number of guests
+    reference_work: dict[int, float] = field(default_factory=dict)
 
 
 def _boot(cgroup: MemoryCgroup, stack: contextlib.ExitStack, config: VMConfig) -> VM:
@@ -178,6 +217,7 @@ class Sampler:
 
 def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     guests = int(params["guests"])
+    counts = _sweep_counts(params.get("sweep", ""), guests)
     budget = parse_size(params["budget"])
     swap = parse_size(params["swap"])
     stagger = float(params["stagger"])
@@ -190,19 +230,25 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
         step_pause=float(params["step_pause"]),
         hold=float(params["hold"]),
         idle=float(params["idle"]),
+        read=parse_size(params.get("read", "0")),
     )
     shared = Shared()
+    disk = Path("/var/tmp") / f"thinvm-overcommit-{os.getpid()}.img"
 
-    def measure(setup: Setup, ctx: RunContext) -> Metrics:
-        limit = budget if setup.limited else 64 * size * guests
-        swap_before = swap_used()
+    def config(name: str, setup: Setup) -> VMConfig:
+        cfg = opts.vm_config(name, size, reporting=setup.reporting)
+        if work.read:
+            cfg.extra_args.extend(guest_workload.disk_args(disk, direct=True))
+        return cfg
+
+    def measure_count(setup: Setup, ctx: RunContext, count: int) -> Metrics:
+        limit = budget if setup.limited else 64 * size * count
+        swap_before, swapins_before = swap_used(), host_swapins()
         with memory_cgroup(limit) as cgroup, contextlib.ExitStack() as stack:
             vms: list[VM] = []
-            for i in range(guests):
-                ctx.step(f"booting guest {i + 1}/{guests}")
-                vms.append(
-                    _boot(cgroup, stack, opts.vm_config(f"oc{i}", size, reporting=setup.reporting))
-                )
+            for i in range(count):
+                ctx.step(f"{count} guests: booting guest {i + 1}")
+                vms.append(_boot(cgroup, stack, config(f"oc{i}", setup)))
             runs = [GuestRun(vm.config.name) for vm in vms]
             stop = threading.Event()
             threads = [
@@ -226,10 +272,27 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                     controller.backend.close()
             for vm, run in zip(vms, runs, strict=True):
                 run.oom_kills = guest_oom_kills(vm) if vm.alive() else None
+                run.stall_us = guest_stall_us(vm) if vm.alive() else None
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
-        return _metrics(setup, runs, alive, host_ooms, peak, sampler, controller, ctx, shared)
+        swapins = host_swapins() - swapins_before
+        return _metrics(
+            setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, shared, swapins
+        )
+
+    def measure(setup: Setup, ctx: RunContext) -> Metrics:
+        """One guest count, or the sweep: more guests until one does not fit."""
+        if len(counts) == 1:
+            return measure_count(setup, ctx, counts[0])
+        per_count: dict[int, Metrics] = {}
+        for count in counts:
+            per_count[count] = measure_count(setup, ctx, count)
+            fit = per_count[count]["fit_guests"]
+            if setup.limited and (fit is None or fit < count):
+                break
+        ctx.note("sweep", {str(n): m for n, m in per_count.items()})
+        return _sweep_metrics(setup, per_count)
 
     def variant(name: str, setup: Setup, text: str) -> Variant:
         return Variant(name, lambda ctx: measure(setup, ctx), text)
@@ -243,14 +306,29 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             f"{format_size(guests * size)}) share a cgroup-v1 memory budget of "
             f"{format_size(budget)}, with a {format_size(swap)} swap file so going "
             f"over it is slow rather than fatal. Each guest, started {stagger:g} s after "
-            f"the previous one, runs {work.rounds} round(s) of: grow a working set to "
+            f"the previous one, runs {work.rounds} round(s) of: "
+            + (
+                f"read {format_size(work.read)} of its disk once (cold page cache), "
+                if work.read
+                else ""
+            )
+            + "grow a working set to "
             f"{format_size(work.wss)} in {format_size(work.step)} steps "
             f"({work.step_pause:g} s apart), hold it {work.hold:g} s, free it, idle "
             f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
             "in the growth steps (what slows down when the host swaps or the guest "
             f"waits for its balloon); `fit_guests` counts guests that finished with "
             f"no guest or host OOM kill and `work_s` within {SLOW}x of the "
-            "unconstrained run's median. Controllers run every "
+            "unconstrained run's median with as many guests. "
+            + (
+                f"Guest counts {', '.join(map(str, counts))} are tried in turn until "
+                "one does not fit; `fit_guests` is the most that all fit. "
+                if len(counts) > 1
+                else ""
+            )
+            + "`steps_done`, `guest_stall_s` (median PSI memory stall per guest) and "
+            "`host_swapin_bytes` say how the work went whatever the machine's load. "
+            "Controllers run every "
             f"{interval:g} s with a floor of {format_size(FLOOR)}; the anchors' "
             "per-10-s rate caps are scaled to that interval. The cgroup's memory over "
             "time is in the result JSON (`info.series`) and in the memory plot."
@@ -273,6 +351,8 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
         baseline="stock",
         params={
             "guests": guests,
+            "sweep": ",".join(map(str, counts)),
+            "read": format_size(work.read),
             "size": format_size(size),
             "budget": format_size(budget),
             "swap": format_size(swap),
@@ -286,8 +366,43 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             "interval_s": interval,
             "kernel": opts.kernel,
         },
-        context=lambda: swap_file(swap),
+        context=lambda: _run_files(swap, disk, work.disk_size),
     )
+
+
+@contextlib.contextmanager
+def _run_files(swap: int, disk: Path, disk_size: int) -> Iterator[None]:
+    """The swap file and the guests' shared scratch disk, removed after."""
+    with swap_file(swap):
+        if disk_size:
+            guest_workload.scratch_disk(disk, disk_size)
+        try:
+            yield
+        finally:
+            disk.unlink(missing_ok=True)
+
+
+def _sweep_counts(text: str, guests: int) -> list[int]:
+    if not text:
+        return [guests]
+    try:
+        counts = sorted({int(n) for n in text.split(",")})
+    except ValueError as exc:
+        raise ThinvmError(f"sweep={text!r}: want guest counts like 3,4,5") from exc
+    if counts[0] < 1:
+        raise ThinvmError(f"sweep={text!r}: guest counts start at 1")
+    return counts
+
+
+def _sweep_metrics(setup: Setup, per_count: dict[int, Metrics]) -> Metrics:
+    """The sweep's result: the most guests that all fit, and the figures
+    of the largest count that was run."""
+    largest = max(per_count)
+    fitting = [n for n, m in per_count.items() if m["fit_guests"] == n]
+    metrics = dict(per_count[largest])
+    metrics["fit_guests"] = max(fitting) if fitting else per_count[min(per_count)]["fit_guests"]
+    metrics["guests_tried"] = largest
+    return metrics
 
 
 def _controller(
@@ -339,6 +454,7 @@ def _drive(
 
 def _metrics(
     setup: Setup,
+    count: int,
     runs: list[GuestRun],
     alive: list[bool],
     host_ooms: int,
@@ -347,15 +463,17 @@ def _metrics(
     controller: Controller | None,
     ctx: RunContext,
     shared: Shared,
+    swapins: int,
 ) -> Metrics:
     works = [r.work_seconds for r in runs if r.finished]
     work = statistics.median(works) if works else None
     if not setup.limited and work is not None:
-        shared.reference_work = work
+        shared.reference_work[count] = work
     guest_ooms = sum(r.oom_kills or 0 for r in runs)
     fit: int | None = None
-    if shared.reference_work is not None:
-        limit = SLOW * shared.reference_work
+    reference = shared.reference_work.get(count)
+    if reference is not None:
+        limit = SLOW * reference
         fit = sum(
             1
             for r, up in zip(runs, alive, strict=True)
@@ -371,14 +489,23 @@ def _metrics(
                 "work_s": round(r.work_seconds, 2),
                 "steps": len(r.step_seconds),
                 "oom_kills": r.oom_kills,
+                "stall_s": r.stall_us / 1e6 if r.stall_us is not None else None,
+                "read_bytes": r.read_bytes,
                 "error": r.error,
             }
             for r in runs
         ],
     )
+    stalls = [r.stall_us / 1e6 for r in runs if r.stall_us is not None]
     return {
+        "guests": count,
         "fit_guests": fit,
         "finished_guests": sum(1 for r in runs if r.finished),
+        # What the guests got done, whatever the machine's load: growth
+        # steps completed, and the time they stalled on memory (PSI).
+        "steps_done": sum(len(r.step_seconds) for r in runs),
+        "guest_stall_s": round(statistics.median(stalls), 2) if stalls else None,
+        "host_swapin_bytes": swapins * 4096,
         "work_s": work,
         "work_max_s": max(works) if works else None,
         "guest_oom_kills": guest_ooms,
@@ -449,6 +576,8 @@ SPEC: dict[str, Any] = {
         "stagger": "10",
         "interval": "1",
         "deadline": "600",
+        "read": "0",
+        "sweep": "",
     },
 }
 
