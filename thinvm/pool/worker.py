@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from thinvm.host import HostError
-from thinvm.host.cgroups import join_cgroup, set_cgroup_limit
+from thinvm.host.cgroups import cgroup_usage, join_cgroup, set_cgroup_limit
 from thinvm.host.hugepages import hugepages_free, nr_hugepages, set_nr_hugepages
 from thinvm.host.procs import users_of
 from thinvm.pool.files import allocated, fill_chunk, punch
@@ -269,14 +269,20 @@ class Worker:
     def _sync_cgroup_limit(self, cfg: PoolConfig, policy: Policy) -> None:
         """Keep the cgroup limit at budget + headroom as the budget changes.
 
-        Lowering fails while the slots still hold more (tmpfs pages cannot
-        be reclaimed without swap); the shrink that follows makes room and
-        the next call succeeds.
+        The limit is lowered only once the slots fit under it: the shrink
+        punches slots first.  Lowered earlier, it would make the kernel
+        reclaim the slots' tmpfs pages, which on a host with swap means
+        writing pre-zeroed memory out to swap only to punch it afterwards
+        (without swap the write just fails).
         """
         if cfg.cgroup is None:
             return
+        limit = cgroup_limit(cfg.kind, policy)
+        held = cgroup_usage(cfg.cgroup)
+        if held is not None and held.usage is not None and held.usage > limit:
+            return
         with contextlib.suppress(HostError):
-            set_cgroup_limit(cfg.cgroup, cgroup_limit(cfg.kind, policy))
+            set_cgroup_limit(cfg.cgroup, limit)
 
     def _reserve_hugepages(self, cfg: PoolConfig, cost: int) -> None:
         page_size = cfg.page_size
