@@ -176,6 +176,49 @@ def test_host_pressure_reclaims_from_the_idle_guest_not_the_busy_one(
     assert used <= budget.limit + 64 * MiB, f"guests hold {format_size(used)} over the budget"
 
 
+def test_under_pressure_a_reporting_guest_trims_its_cold_cache_before_any_balloon(
+    make_vm: VMFactory, tmp_path: Path
+) -> None:
+    """Trim first: the guest read its disk once and holds that cache; the
+    host is short (not critical).  The controller switches the guest's
+    reclaimer on and asks it to trim; reporting hands the cache back, so
+    host RSS falls while the balloon never moves."""
+    disk = workload.scratch_disk(tmp_path / "cold.img", 448 * MiB)
+    config = VMConfig(
+        name="bal-trim",
+        memory=768 * MiB,
+        balloon=BalloonOptions(free_page_reporting=True),
+        extra_args=workload.disk_args(disk),
+    )
+    vm = make_vm(config)
+    balloon.enable_stats(vm, 1)
+    workload.hold_disk_open(vm.agent)
+    workload.read_disk(vm.agent, 448 * MiB)  # read once: cold
+    cache_before = workload.meminfo(vm.agent)["Buffers"]
+    assert cache_before >= 400 * MiB, format_size(cache_before)
+    pid = vm.pid
+    assert pid is not None
+    rss_before = vm.host_memory().rss
+    # 96 MiB available: under the 128 MiB reserve (pressure), above half
+    # of it (not critical), so only trimming may act.
+    budget = RssBudget(rss_before + 96 * MiB, lambda: [pid])
+    ctl = controller([vm], host=budget)
+    reports = drive(ctl, 90, until=lambda _r: vm.host_memory().rss <= rss_before - 256 * MiB)
+    ctl.backend.close()  # waits for a trim still in flight
+    rss_after = vm.host_memory().rss
+    cache_after = workload.meminfo(vm.agent)["Buffers"]
+    print("\n".join(ctl.lines))  # type: ignore[attr-defined]
+    print(
+        f"host RSS {format_size(rss_before)} -> {format_size(rss_after)}, guest cache "
+        f"{format_size(cache_before)} -> {format_size(cache_after)} in {len(reports)} cycles"
+    )
+    assert ctl.trims >= 1
+    assert any(d.reclaim for r in reports for d in r.decisions), "reclaimer never switched on"
+    assert not [d for r in reports for d in r.decisions if d.acts], "the balloon was used"
+    assert balloon.query(vm).actual == 768 * MiB
+    assert cache_after <= cache_before - 256 * MiB
+
+
 # -- (c) kill and restart the real `thinvm balance run` ----------------------
 
 
