@@ -14,7 +14,7 @@ from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
 from thinvm.bench.types import BenchOptions
 from thinvm.progress import ProgressLine
-from thinvm.units import GiB
+from thinvm.units import GiB, MiB
 from thinvm.vm import balloon
 from thinvm.vm.machine import VM, VMConfig
 
@@ -73,9 +73,9 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
     # Three of the nine candidates, to stay short; the diagnostic
     # thinvm-stock-driver row is left out: it is for recorded runs.
     options = BenchOptions(
-        size=1 * GiB,
+        size=512 * MiB,
         runs=1,
-        params={"idle": "0"},
+        params={"idle": "0", "used": "0.25"},
         variants=["stock-hint-mfd2", "thinvm-hint", "legacy"],
         quiet_wait=0,
     )

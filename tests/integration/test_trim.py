@@ -183,7 +183,11 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
                 f"{format_size(rss_after)}; page cache {format_size(cache_read)} -> "
                 f"{format_size(cache_trimmed)}"
             )
-            background_keeps_hot_and_backs_off_under_pressure(agent)
+            if status["lru_gen"]:
+                # MGLRU is the case where the hot set is hard to see; the
+                # classic LRU's active list shows it (and the suite's time
+                # is better spent once).
+                background_keeps_hot_and_backs_off_under_pressure(agent)
         finally:
             moved.disconnect()
 

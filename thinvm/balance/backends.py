@@ -258,7 +258,10 @@ class ThinvmBackend:
         try:
             counters = trim.reclaimer_status(vm.agent, timeout=RECLAIMER_TIMEOUT)
         except (GuestError, OSError, ValueError):
-            counters = None
+            # Busy with someone's long command, or gone for a moment: what
+            # it said last still holds; ask again next period.
+            self._reclaimers[name] = (time.monotonic(), known)
+            return known
         known = Reclaimer.from_counters(counters) if counters is not None else None
         self._reclaimers[name] = (time.monotonic(), known)
         return known
