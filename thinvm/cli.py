@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from thinvm.balance import cli as balance_cli
+from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
 from thinvm.pool import cli as pool_cli
@@ -65,6 +66,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         accel=args.accel,
         counter=args.counter,
         net=args.net,
+        quiet_load=args.quiet_load,
+        quiet_wait=args.quiet_wait,
     )
     return bench.main(
         args.scenario,
@@ -116,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--net", default="loopback", help="migrations over: loopback or veth")
     p.add_argument("--results", help="results directory (default bench/results)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    p.add_argument(
+        "--quiet-load",
+        type=float,
+        default=QuietGate.max_load,
+        help="a run starts once the 1-minute load is below this (default: %(default)s)",
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=QuietGate.max_wait_s,
+        help="seconds a run waits for a quiet machine before it starts anyway and "
+        "records what it saw; 0: do not wait (default: %(default)s)",
+    )
     p.add_argument("--list", action="store_true", help="list scenarios and their defaults")
     p.add_argument(
         "--report", action="store_true", help="only regenerate docs/benchmarks.md and plots"
