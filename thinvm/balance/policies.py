@@ -306,13 +306,14 @@ class ThinvmPolicy:
                          f"{why}: deflate at once", stressed=True)  # fmt: skip
         # When the host is calm the guest keeps its page cache; under
         # pressure only its free memory plus what it can drop counts.
-        spare_in_guest = (available if host.pressure else stats.free) - headroom
-        desired = _clamp(vm.actual - spare_in_guest, limits)
-        kind = "available" if host.pressure else "free"
-        reason = (
-            f"guest {kind} {_mib(available if host.pressure else stats.free)}, "
-            f"keeps {_mib(headroom)} headroom"
-        )
+        # A trimming guest's cache is the reclaimer's to take: ballooned
+        # away, the guest could not fall back on it when it grows, and a
+        # guest short of its own cache OOMs where one with it reclaims.
+        takes_cache = host.pressure and not self._trims(vm)
+        spare = available if takes_cache else stats.free
+        desired = _clamp(vm.actual - (spare - headroom), limits)
+        kind = "available" if takes_cache else "free"
+        reason = f"guest {kind} {_mib(spare)}, keeps {_mib(headroom)} headroom"
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
         may_shrink = calm_enough and inputs.cycle >= state.cooldown_until
         trimmed = self._trims(vm) and not host.critical
