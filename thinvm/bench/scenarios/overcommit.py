@@ -91,10 +91,8 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
                 guest_workload.read_disk(vm.agent, work.read, skip=round_ * work.read)
                 out.read_bytes += work.read
             for k in range(work.steps):
-                started = time.monotonic()
                 cmd = f"thinvm-mem hold {work.step // MiB} --pidfile /run/ph-{k}.pid"
-                vm.agent.check(cmd, timeout=300)
-                out.step_seconds.append(time.monotonic() - started)
+                out.step_seconds.append(timed_in_guest(vm, cmd))
                 if stop.wait(work.step_pause):
                     return
             if stop.wait(work.hold):
@@ -112,6 +110,19 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
         out.finished = True
     except ThinvmError as exc:
         out.error = str(exc)[:300]
+
+
+def timed_in_guest(vm: VM, command: str) -> float:
+    """Run `command` in the guest; the seconds it took by the guest's clock.
+
+    Timed inside, not around the agent round trip: the agent serves one
+    request at a time, and a controller's trim holding it for a moment is
+    not time the workload spent getting memory."""
+    out = vm.agent.check(
+        f"read t0 _ </proc/uptime; {command} >/dev/null; read t1 _ </proc/uptime; echo $t0 $t1",
+        timeout=300,
+    ).stdout.split()
+    return float(out[-1]) - float(out[-2])
 
 
 def guest_stall_us(vm: VM) -> int | None:
@@ -320,7 +331,8 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             f"{format_size(work.wss)} in {format_size(work.step)} steps "
             f"({work.step_pause:g} s apart), hold it {work.hold:g} s, free it, idle "
             f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
-            "in the growth steps (what slows down when the host swaps or the guest "
+            "in the growth steps, timed by the guest's clock (what slows down when "
+            "the host swaps or the guest "
             f"waits for its balloon); `fit_guests` counts guests that finished with "
             f"no guest or host OOM kill and `work_s` within {SLOW}x of the "
             "unconstrained run's median with as many guests. "
