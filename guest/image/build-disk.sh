@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build the thinvm Debian 12 disk image: a qcow2 root filesystem made
 # only from Debian packages (mmdebstrap), with systemd, a serial console,
-# no network, the thinvm agent as a systemd service, and our balloon
-# driver installed the way a user installs it: the thinvm-balloon-dkms
-# package (guest/balloon/mkdeb.sh), built by DKMS inside the image
-# against the image's own kernel, blacklisting the in-tree virtio_balloon.
+# no network, and thinvm's guest packages installed the way a user installs
+# them: the agent as the thinvm-guest-agent package (packaging/build-debs.sh,
+# whose postinst enables its systemd unit) and our balloon driver as the
+# thinvm-balloon-dkms package (guest/balloon/mkdeb.sh), built by DKMS
+# inside the image against the image's own kernel, blacklisting the
+# in-tree virtio_balloon.
 #
 # The image boots by direct kernel boot (the kernel and initramfs are
 # copied out next to the disk): no boot loader to install or wait for.
@@ -15,8 +17,8 @@
 #   6.12  linux-image-amd64 from bookworm-backports
 #
 # Cached under $THINVM_CACHE/disk/<kernel>-<inputs>; an image whose
-# inputs (these scripts, the agent and driver sources, the kernel
-# package version) did not change is not rebuilt.  Downloaded .debs are
+# inputs (these scripts, the agent and driver sources and packaging, the
+# kernel package version) did not change is not rebuilt.  Downloaded .debs are
 # kept in $THINVM_CACHE/debs/disk, so a rebuild does not download again.
 # The last line on stdout is the image directory: disk.qcow2, vmlinuz,
 # initrd.img, image.json.  Progress goes to stderr.
@@ -33,8 +35,10 @@ disk_src=$here/disk
 # Virtual size of the root filesystem; qcow2 stores only what is used.
 disk_size=2G
 # Packages beyond the "apt" variant (essential + apt).  dkms brings
-# gcc and make; the headers are what DKMS builds against.
-packages=(systemd-sysv udev kmod initramfs-tools procps dkms)
+# gcc and make; the headers are what DKMS builds against;
+# init-system-helpers is what the agent package's postinst enables its
+# unit with.
+packages=(systemd-sysv udev kmod initramfs-tools procps dkms init-system-helpers)
 
 log() { printf '[guest/image/disk] %s\n' "$*" >&2; }
 die() { printf '[guest/image/disk] error: %s\n' "$*" >&2; exit 1; }
@@ -90,7 +94,9 @@ inputs_hash() {
 			"$agent_src"/*.[ch] "$agent_src"/Makefile \
 			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
 			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
-			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* | awk '{ print $1 }'
+			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* \
+			"$top"/packaging/build-debs.sh "$top"/packaging/copyright \
+			"$top"/packaging/thinvm-guest-agent/* | awk '{ print $1 }'
 	} | sha256sum | cut -c1-16
 }
 
@@ -98,17 +104,16 @@ build_agent() {
 	local obj=$cache/agent-build
 	mkdir -p "$obj"
 	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
-	cp "$obj/thinvm-agent" "$obj/thinvm-mem" "$tmp/"
+	cp "$obj/thinvm-mem" "$tmp/"
 }
 
 # Everything the customize hooks copy into the image, in one directory.
 stage_files() {
 	local s=$tmp/stage
 	mkdir -p "$s"
-	cp "$tmp/thinvm-agent" "$tmp/thinvm-mem" "$disk_src"/* "$s/"
-	cp "$top/docs/protocol/agent.md" "$s/agent.md" 2>/dev/null || : >"$s/agent.md"
-	cp "$top/docs/working-set.md" "$s/working-set.md" 2>/dev/null || : >"$s/working-set.md"
+	cp "$tmp/thinvm-mem" "$disk_src"/* "$s/"
 	"$balloon_src/mkdeb.sh" "$s" >/dev/null
+	cp "$("$top/packaging/build-debs.sh" thinvm-guest-agent | tail -n 1)" "$s/"
 }
 
 bootstrap() {
@@ -150,19 +155,18 @@ bootstrap() {
 # Runs as a mmdebstrap customize hook: $1 = staged files, $2 = the root.
 customize() {
 	local s=$1 r=$2
-	install -m 0755 "$s/thinvm-agent" "$r/usr/local/sbin/thinvm-agent"
+	# The test tools stay outside the packages.
 	install -m 0755 "$s/thinvm-guest-info" "$r/usr/local/sbin/thinvm-guest-info"
 	install -m 0755 "$s/thinvm-mem" "$r/usr/local/bin/thinvm-mem"
-	install -D -m 0644 "$s/agent.md" "$r/usr/local/share/doc/thinvm/agent.md"
-	install -m 0644 "$s/working-set.md" "$r/usr/local/share/doc/thinvm/working-set.md"
-	install -m 0644 "$s/thinvm-agent.default" "$r/etc/default/thinvm-agent"
-	install -m 0644 "$s/thinvm-agent.service" "$s/thinvm-boot-done.service" \
-		"$r/etc/systemd/system/"
-	chroot "$r" systemctl enable thinvm-agent.service thinvm-boot-done.service
-	# Installed as a user would: dpkg runs the postinst, DKMS builds.
-	cp "$s"/thinvm-balloon-dkms_*_all.deb "$r/tmp/"
-	chroot "$r" sh -c 'dpkg -i /tmp/thinvm-balloon-dkms_*_all.deb'
-	rm -f "$r"/tmp/thinvm-balloon-dkms_*_all.deb
+	install -m 0644 "$s/thinvm-boot-done.service" "$r/etc/systemd/system/"
+	chroot "$r" systemctl enable thinvm-boot-done.service
+	# Installed as a user would: dpkg runs the postinsts, which enable
+	# thinvm-agent.service and have DKMS build the driver.
+	cp "$s"/thinvm-guest-agent_*.deb "$s"/thinvm-balloon-dkms_*_all.deb "$r/tmp/"
+	chroot "$r" sh -c 'dpkg -i /tmp/thinvm-guest-agent_*.deb /tmp/thinvm-balloon-dkms_*_all.deb'
+	rm -f "$r"/tmp/thinvm-guest-agent_*.deb "$r"/tmp/thinvm-balloon-dkms_*_all.deb
+	[ -L "$r/etc/systemd/system/multi-user.target.wants/thinvm-agent.service" ] ||
+		die "thinvm-guest-agent did not enable thinvm-agent.service"
 	ls "$r"/lib/modules/*/updates/dkms/thinvm_balloon.ko* >/dev/null ||
 		die "DKMS did not install thinvm_balloon.ko"
 	echo "/dev/vda / ext4 rw,discard,errors=remount-ro 0 1" >"$r/etc/fstab"
