@@ -110,10 +110,14 @@ publish() {
 
 # Shared-library dependencies of the ELF files given, as dpkg-shlibdeps
 # finds them (it wants a debian/control and the files under debian/PKG).
+#   shlibs STAGE PKG FILE...   (FILEs relative to STAGE/debian/PKG)
 shlibs() {
-	local stage=$1
-	shift
-	(cd "$stage" && dpkg-shlibdeps -O "$@" 2>/dev/null) | sed -n 's/^shlibs:Depends=//p'
+	local stage=$1 pkg=$2
+	shift 2
+	printf 'Source: thinvm\n\nPackage: %s\nArchitecture: any\n' "$pkg" >"$stage/debian/control"
+	(cd "$stage" && dpkg-shlibdeps -O "${@/#/debian/$pkg/}" 2>/dev/null) |
+		sed -n 's/^shlibs:Depends=//p'
+	rm -f "$stage/debian/control"
 }
 
 # The files every package carries: copyright and a changelog (native
@@ -194,8 +198,8 @@ build_thinvm_qemu() {
 	debver=$(sed -n 's/.*"debian_version": "\([^"]*\)".*/\1/p' "$build/build.json")
 	upstream=${debver#*:}
 	upstream=${upstream%%+*}
-	version=$upstream+thinvm$(commits qemu packaging/thinvm-qemu).$hash
-	epoch=$(commit_time qemu packaging/thinvm-qemu)
+	version=$upstream+thinvm$(commits qemu packaging).$hash
+	epoch=$(commit_time qemu packaging)
 	stage=$work/$pkg
 	mkdir -p "$stage/debian"
 	local root=$stage/debian/$pkg lib=/usr/lib/thinvm-qemu
@@ -233,11 +237,8 @@ build_thinvm_qemu() {
 		sed -e "s|@VERSION@|$version|" -e "s|@DEBIAN_VERSION@|$debver|" -e "s|@SERIES@|$want|" |
 		gzip -9n >"$root/usr/share/man/man1/thinvm-qemu-system-x86_64.1.gz"
 	install -m 0644 "$here/$pkg/README.Debian" "$root/usr/share/doc/$pkg/README.Debian"
-	(cd "$stage" && printf 'Source: thinvm\n\nPackage: %s\nArchitecture: any\n' "$pkg" >debian/control)
-	local depends
-	depends=$(shlibs "$stage" "debian/$pkg$lib/bin/qemu-system-x86_64")
-	rm -f "$stage/debian/control"
-	assemble "$stage" "$pkg" "$version" "$epoch" "$depends"
+	assemble "$stage" "$pkg" "$version" "$epoch" \
+		"$(shlibs "$stage" "$pkg" "${lib#/}/bin/qemu-system-x86_64")"
 	publish "$pkg" "$hash" "$deb"
 }
 
@@ -262,8 +263,8 @@ build_thinvm() {
 	log "building $pkg"
 	local base version epoch
 	base=$(sed -n 's/^version = "\(.*\)"/\1/p' "$top/pyproject.toml")
-	version=$base+$(commits thinvm packaging/thinvm).$hash
-	epoch=$(commit_time thinvm packaging/thinvm)
+	version=$base+$(commits thinvm packaging).$hash
+	epoch=$(commit_time thinvm packaging)
 	stage=$work/$pkg
 	mkdir -p "$stage/debian"
 	local root=$stage/debian/$pkg py=/usr/lib/thinvm/python
@@ -300,8 +301,8 @@ build_guest_agent() {
 	fi
 	log "building $pkg"
 	local version epoch
-	version=0.1.0+$(commits guest/agent packaging/$pkg).$hash
-	epoch=$(commit_time guest/agent packaging/$pkg)
+	version=0.1.0+$(commits guest/agent packaging).$hash
+	epoch=$(commit_time guest/agent packaging)
 	stage=$work/$pkg
 	mkdir -p "$stage/debian"
 	local root=$stage/debian/$pkg
@@ -320,11 +321,8 @@ build_guest_agent() {
 	install -m 0644 "$here/$pkg/thinvm-agent.default" "$root/etc/default/thinvm-agent"
 	gzip -9nc "$top/docs/protocol/agent.md" >"$root/usr/share/doc/$pkg/agent.md.gz"
 	gzip -9nc "$top/docs/working-set.md" >"$root/usr/share/doc/$pkg/working-set.md.gz"
-	(cd "$stage" && printf 'Source: thinvm\n\nPackage: %s\nArchitecture: any\n' "$pkg" >debian/control)
-	local depends
-	depends=$(shlibs "$stage" "debian/$pkg/usr/sbin/thinvm-agent")
-	rm -f "$stage/debian/control"
-	assemble "$stage" "$pkg" "$version" "$epoch" "$depends"
+	assemble "$stage" "$pkg" "$version" "$epoch" \
+		"$(shlibs "$stage" "$pkg" usr/sbin/thinvm-agent)"
 	publish "$pkg" "$hash" "$deb"
 }
 
