@@ -7,6 +7,7 @@ import pytest
 
 from thinvm.cli import main
 from thinvm.errors import ThinvmError
+from thinvm.guest import image
 from thinvm.guest.image import GuestImage
 from thinvm.qemu import accel, builds
 from thinvm.qemu.builds import QemuBuild
@@ -169,3 +170,16 @@ def test_a_packaged_build_is_found_without_the_cache(
         builds.find_build("patched", packaged={"patched": tmp_path / "none.json"})
     with pytest.raises(ThinvmError, match=r"'qemu/build\.sh stock'$"):
         builds.find_build("stock", packaged={"patched": stamp})
+
+
+def test_an_installation_without_the_image_builders_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thinvm package has no guest/: `thinvm up` explains, not a traceback."""
+    monkeypatch.setattr(image, "REPO", tmp_path)
+    image.ensure_image.cache_clear()
+    try:
+        with pytest.raises(ThinvmError, match="source repository"):
+            image.ensure_image("6.1", "stock")
+    finally:
+        image.ensure_image.cache_clear()
