@@ -8,8 +8,7 @@
 #   thinvm               the control plane, /usr/bin/thinvm, systemd units
 #                        for the balance controller and the warm pool
 #   thinvm-guest-agent   the guest agent and reclaimer, for Debian guests
-#   thinvm-balloon-dkms  our balloon driver as DKMS source
-#                        (guest/balloon/mkdeb.sh)
+#   thinvm-balloon-dkms  our balloon driver as DKMS source (guest/balloon)
 #
 # QEMU is not built here: thinvm-qemu packages the existing patched build
 # ($THINVM_CACHE/qemu/patched) and refuses one that is not of the current
@@ -33,7 +32,8 @@ cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 venv=${THINVM_VENV:-$cache/venv}
 repo=$cache/apt-repo
 all=(thinvm-qemu thinvm thinvm-guest-agent thinvm-balloon-dkms)
-maintainer="thinvm <thinvm@localhost>"
+# DKMS module name and version (dkms.conf), for the DKMS package's scripts.
+dkms_name="" dkms_version=""
 
 log() { printf '[packaging] %s\n' "$*" >&2; }
 die() { printf '[packaging] error: %s\n' "$*" >&2; exit 1; }
@@ -53,6 +53,14 @@ while [ $# -gt 0 ]; do
 	esac
 done
 [ ${#wanted[@]} -gt 0 ] || wanted=("${all[@]}")
+# Debian's DEBFULLNAME/DEBEMAIL, else whoever last committed packaging/:
+# the same sources give the same Maintainer field.
+if [ -n "${DEBEMAIL:-}" ]; then
+	maintainer="${DEBFULLNAME:-thinvm} <$DEBEMAIL>"
+else
+	maintainer=$(git -C "$top" log -1 --format='%an <%ae>' -- packaging 2>/dev/null || true)
+	[ -n "$maintainer" ] || die "no maintainer: set DEBFULLNAME and DEBEMAIL"
+fi
 for p in "${wanted[@]}"; do
 	case " ${all[*]} " in *" $p "*) ;; *) die "unknown package '$p' (${all[*]})" ;; esac
 done
@@ -129,6 +137,10 @@ assemble() {
 	local doc=$root/usr/share/doc/$pkg
 	mkdir -p "$doc" "$root/DEBIAN"
 	install -m 0644 "$here/copyright" "$doc/copyright"
+	if [ -f "$here/$pkg/lintian-overrides" ]; then
+		install -D -m 0644 "$here/$pkg/lintian-overrides" \
+			"$root/usr/share/lintian/overrides/$pkg"
+	fi
 	{
 		echo "$pkg ($version) unstable; urgency=medium"
 		echo
@@ -144,7 +156,9 @@ assemble() {
 	local f
 	for f in postinst prerm postrm; do
 		if [ -f "$here/$pkg/$f" ]; then
-			install -m 0755 "$here/$pkg/$f" "$root/DEBIAN/$f"
+			sed -e "s|@DKMS_NAME@|$dkms_name|g" -e "s|@DKMS_VERSION@|$dkms_version|g" \
+				"$here/$pkg/$f" >"$root/DEBIAN/$f"
+			chmod 0755 "$root/DEBIAN/$f"
 		fi
 	done
 	# Everything under /etc is a conffile.
@@ -207,7 +221,7 @@ build_thinvm_qemu() {
 		"$root/usr/share/doc/$pkg/patches"
 	# Debug information stays out (80 MB of the 100): the package is the
 	# binary a host runs.
-	strip --strip-debug --strip-unneeded -o "$root$lib/bin/qemu-system-x86_64" \
+	strip --strip-unneeded --remove-section=.comment -o "$root$lib/bin/qemu-system-x86_64" \
 		"$build/qemu-system-x86_64"
 	chmod 0755 "$root$lib/bin/qemu-system-x86_64"
 	ln -s "../lib/thinvm-qemu/bin/qemu-system-x86_64" "$root/usr/bin/thinvm-qemu-system-x86_64"
@@ -292,6 +306,8 @@ build_thinvm() {
 
 build_guest_agent() {
 	local pkg=thinvm-guest-agent stage src=$top/guest/agent
+	# Every hardening flag, bindnow included.
+	export DEB_BUILD_MAINT_OPTIONS=hardening=+all
 	local hash
 	hash=$(inputs_hash "$(dpkg-buildflags --get CFLAGS) $(dpkg-buildflags --get LDFLAGS)" \
 		"$src"/*.[ch] "$src/Makefile" "$here/$pkg" "$here/copyright" "$here/build-debs.sh" \
@@ -316,9 +332,11 @@ build_guest_agent() {
 	mkdir -p "$root/usr/sbin" "$root/lib/systemd/system" "$root/etc/default" \
 		"$root/usr/share/doc/$pkg"
 	install -m 0755 "$stage/build/thinvm-agent" "$root/usr/sbin/thinvm-agent"
-	strip --strip-unneeded "$root/usr/sbin/thinvm-agent"
+	strip --strip-unneeded --remove-section=.comment "$root/usr/sbin/thinvm-agent"
 	install -m 0644 "$here/$pkg/thinvm-agent.service" "$root/lib/systemd/system/"
 	install -m 0644 "$here/$pkg/thinvm-agent.default" "$root/etc/default/thinvm-agent"
+	mkdir -p "$root/usr/share/man/man8"
+	gzip -9nc "$here/$pkg/thinvm-agent.8" >"$root/usr/share/man/man8/thinvm-agent.8.gz"
 	gzip -9nc "$top/docs/protocol/agent.md" >"$root/usr/share/doc/$pkg/agent.md.gz"
 	gzip -9nc "$top/docs/working-set.md" >"$root/usr/share/doc/$pkg/working-set.md.gz"
 	assemble "$stage" "$pkg" "$version" "$epoch" \
@@ -328,16 +346,34 @@ build_guest_agent() {
 
 build_balloon_dkms() {
 	local pkg=thinvm-balloon-dkms src=$top/guest/balloon stage
+	dkms_name=$(sed -n 's/^PACKAGE_NAME="\(.*\)"/\1/p' "$src/dkms.conf")
+	dkms_version=$(sed -n 's/^PACKAGE_VERSION="\(.*\)"/\1/p' "$src/dkms.conf")
+	if [ -z "$dkms_name" ] || [ -z "$dkms_version" ]; then
+		die "no PACKAGE_NAME/PACKAGE_VERSION in $src/dkms.conf"
+	fi
 	local hash
 	hash=$(inputs_hash "" "$src"/*.[ch] "$src/Makefile" "$src/dkms.conf" \
-		"$src/thinvm-balloon.conf" "$src/mkdeb.sh" "$src/debian")
+		"$src/thinvm-balloon.conf" "$here/$pkg" "$here/copyright" "$here/build-debs.sh")
 	if cached "$pkg" "$hash"; then
 		return
 	fi
 	log "building $pkg"
+	local version epoch
+	# The package's version moves with its sources; DKMS' stays that of
+	# dkms.conf (the prerm removes it, the next postinst builds it again).
+	version=$dkms_version+$(commits guest/balloon packaging).$hash
+	epoch=$(commit_time guest/balloon packaging)
 	stage=$work/$pkg
-	mkdir -p "$stage/debian"
-	deb=$("$src/mkdeb.sh" "$stage" | tail -n 1)
+	local root=$stage/debian/$pkg
+	local usrc=$root/usr/src/$dkms_name-$dkms_version
+	mkdir -p "$usrc" "$root/etc/modprobe.d" "$root/etc/modules-load.d"
+	# The module sources and their build files; nothing host-specific.
+	install -m 0644 "$src"/*.c "$src"/*.h "$src/Makefile" "$src/dkms.conf" \
+		"$src/thinvm-balloon.conf" "$usrc/"
+	install -m 0644 "$src/thinvm-balloon.conf" "$root/etc/modprobe.d/thinvm-balloon.conf"
+	echo thinvm_balloon >"$root/etc/modules-load.d/thinvm-balloon.conf"
+	chmod 0644 "$root/etc/modules-load.d/thinvm-balloon.conf"
+	assemble "$stage" "$pkg" "$version" "$epoch" ""
 	publish "$pkg" "$hash" "$deb"
 }
 

@@ -2,11 +2,10 @@
 # Build the thinvm Debian 12 disk image: a qcow2 root filesystem made
 # only from Debian packages (mmdebstrap), with systemd, a serial console,
 # no network, and thinvm's guest packages installed the way a user installs
-# them: the agent as the thinvm-guest-agent package (packaging/build-debs.sh,
-# whose postinst enables its systemd unit) and our balloon driver as the
-# thinvm-balloon-dkms package (guest/balloon/mkdeb.sh), built by DKMS
-# inside the image against the image's own kernel, blacklisting the
-# in-tree virtio_balloon.
+# them (packaging/build-debs.sh): the agent as the thinvm-guest-agent
+# package, whose postinst enables its systemd unit, and our balloon driver
+# as the thinvm-balloon-dkms package, built by DKMS inside the image
+# against the image's own kernel, blacklisting the in-tree virtio_balloon.
 #
 # The image boots by direct kernel boot (the kernel and initramfs are
 # copied out next to the disk): no boot loader to install or wait for.
@@ -35,10 +34,8 @@ disk_src=$here/disk
 # Virtual size of the root filesystem; qcow2 stores only what is used.
 disk_size=2G
 # Packages beyond the "apt" variant (essential + apt).  dkms brings
-# gcc and make; the headers are what DKMS builds against;
-# init-system-helpers is what the agent package's postinst enables its
-# unit with.
-packages=(systemd-sysv udev kmod initramfs-tools procps dkms init-system-helpers)
+# gcc and make; the headers are what DKMS builds against.
+packages=(systemd-sysv udev kmod initramfs-tools procps dkms)
 
 log() { printf '[guest/image/disk] %s\n' "$*" >&2; }
 die() { printf '[guest/image/disk] error: %s\n' "$*" >&2; exit 1; }
@@ -94,9 +91,9 @@ inputs_hash() {
 			"$agent_src"/*.[ch] "$agent_src"/Makefile \
 			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
 			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
-			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* \
 			"$top"/packaging/build-debs.sh "$top"/packaging/copyright \
-			"$top"/packaging/thinvm-guest-agent/* | awk '{ print $1 }'
+			"$top"/packaging/thinvm-guest-agent/* \
+			"$top"/packaging/thinvm-balloon-dkms/* | awk '{ print $1 }'
 	} | sha256sum | cut -c1-16
 }
 
@@ -112,8 +109,10 @@ stage_files() {
 	local s=$tmp/stage
 	mkdir -p "$s"
 	cp "$tmp/thinvm-mem" "$disk_src"/* "$s/"
-	"$balloon_src/mkdeb.sh" "$s" >/dev/null
-	cp "$("$top/packaging/build-debs.sh" thinvm-guest-agent | tail -n 1)" "$s/"
+	local deb
+	for deb in $("$top/packaging/build-debs.sh" thinvm-guest-agent thinvm-balloon-dkms); do
+		cp "$deb" "$s/"
+	done
 }
 
 bootstrap() {
