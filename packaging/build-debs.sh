@@ -174,7 +174,7 @@ assemble() {
 	local arch
 	arch=$(sed -n 's/^Architecture: //p' "$root/DEBIAN/control")
 	deb=$stage/${pkg}_${version}_$arch.deb
-	dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
+	SOURCE_DATE_EPOCH=$epoch dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
 }
 
 # The hash qemu/build.sh gives the patched build: the series file and
