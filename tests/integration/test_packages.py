@@ -200,47 +200,49 @@ def test_qemu_answers_qmp_with_the_sparse_ram_capability(installed: DebianRoot) 
     assert "sparse-ram" in {c["capability"] for c in caps}, caps
 
 
-def test_qemu_boots_a_q35_machine_into_its_firmware(installed: DebianRoot) -> None:
-    """SeaBIOS (seabios), its VGA BIOS and q35's default NIC's iPXE ROM
-    (ipxe-qemu) load from Debian's packages; SeaBIOS's debug port says
-    how far it got. No disks: bookworm's SeaBIOS waits ~30 s for an empty
-    CD-ROM."""
-    log = installed.path / "tmp/seabios.log"
-    log.unlink(missing_ok=True)
-    argv = [QEMU, "-M", "q35", "-accel", "tcg", "-m", "128", "-no-reboot", "-nodefaults"]
-    argv += ["-device", "VGA", "-device", "e1000e", "-display", "none"]
-    argv += ["-chardev", "file,id=dbg,path=/tmp/seabios.log"]
-    argv += ["-device", "isa-debugcon,iobase=0x402,chardev=dbg"]
+def boot_until(root: DebianRoot, argv: list[str], output: str, marker: str) -> str:
+    """Run QEMU in the root until the file it writes (`output`, a path in
+    the root) holds `marker`, or 120 s; kill it; return what it wrote."""
+    path = root.path / output.lstrip("/")
+    path.unlink(missing_ok=True)
     qemu = subprocess.Popen(
-        ["chroot", str(installed.path), *argv],
+        ["chroot", str(root.path), QEMU, "-accel", "tcg", "-display", "none", *argv],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        text = wait_for_file_text(log, "Booting from ROM", qemu)
+        deadline = time.monotonic() + 120
+        text = ""
+        while time.monotonic() < deadline and qemu.poll() is None:
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if marker in text:
+                break
+            time.sleep(0.5)
         assert qemu.poll() is None, f"QEMU exited {qemu.returncode}: {qemu.communicate()[0]}"
-        assert "SeaBIOS" in text, text[-2000:]
-        # The NIC's option ROM is the one boot entry left.
-        assert "Booting from ROM" in text, text[-2000:]
+        return text
     finally:
         qemu.kill()
         qemu.wait(timeout=30)
         if qemu.stdout is not None:
             qemu.stdout.close()
+        path.unlink(missing_ok=True)
 
 
-def wait_for_file_text(path: Path, marker: str, qemu: subprocess.Popen[str]) -> str:
-    """What QEMU wrote to `path` once it holds `marker` (or after 120 s)."""
-    deadline = time.monotonic() + 120
-    text = ""
-    while time.monotonic() < deadline and qemu.poll() is None:
-        text = path.read_text(errors="replace") if path.exists() else ""
-        if marker in text:
-            break
-        time.sleep(0.5)
-    return text
+def test_qemu_boots_a_q35_machine_into_its_firmware(installed: DebianRoot) -> None:
+    """SeaBIOS (seabios), its VGA BIOS and q35's default NIC's iPXE ROM
+    (ipxe-qemu) load from Debian's packages; SeaBIOS's debug port says
+    how far it got. No disks: bookworm's SeaBIOS waits ~30 s for an empty
+    CD-ROM."""
+    argv = ["-M", "q35", "-m", "128", "-no-reboot", "-nodefaults"]
+    argv += ["-device", "VGA", "-device", "e1000e"]
+    argv += ["-chardev", "file,id=dbg,path=/tmp/seabios.log"]
+    argv += ["-device", "isa-debugcon,iobase=0x402,chardev=dbg"]
+    text = boot_until(installed, argv, "/tmp/seabios.log", "Booting from ROM")
+    assert "SeaBIOS" in text, text[-2000:]
+    # The NIC's option ROM is the one boot entry left.
+    assert "Booting from ROM" in text, text[-2000:]
 
 
 def test_qemu_boots_a_linux_guest_directly(installed: DebianRoot) -> None:
@@ -252,30 +254,16 @@ def test_qemu_boots_a_linux_guest_directly(installed: DebianRoot) -> None:
         pytest.skip("no test guest image (guest/image/build.sh) in the cache")
     for name in ("vmlinuz", "initramfs.cpio.gz"):
         shutil.copy2(images[-1] / name, installed.path / "tmp" / name)
-    console = installed.path / "tmp/console.log"
-    console.unlink(missing_ok=True)
-    argv = [QEMU, "-M", "q35", "-accel", "tcg", "-m", "256", "-nodefaults", "-no-reboot"]
-    argv += ["-display", "none", "-serial", "file:/tmp/console.log"]
+    argv = ["-M", "q35", "-m", "256", "-nodefaults", "-no-reboot"]
+    argv += ["-serial", "file:/tmp/console.log"]
     argv += ["-kernel", "/tmp/vmlinuz", "-initrd", "/tmp/initramfs.cpio.gz"]
     argv += ["-append", "console=ttyS0 panic=-1"]
-    qemu = subprocess.Popen(
-        ["chroot", str(installed.path), *argv],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     try:
-        text = wait_for_file_text(console, "thinvm: modules loaded", qemu)
-        assert qemu.poll() is None, f"QEMU exited {qemu.returncode}: {qemu.communicate()[0]}"
-        assert "thinvm: modules loaded" in text, text[-3000:]
+        text = boot_until(installed, argv, "/tmp/console.log", "thinvm: modules loaded")
     finally:
-        qemu.kill()
-        qemu.wait(timeout=30)
-        if qemu.stdout is not None:
-            qemu.stdout.close()
-        for name in ("vmlinuz", "initramfs.cpio.gz", "console.log"):
+        for name in ("vmlinuz", "initramfs.cpio.gz"):
             (installed.path / "tmp" / name).unlink(missing_ok=True)
+    assert "thinvm: modules loaded" in text, text[-3000:]
 
 
 def test_thinvm_runs_on_debians_python(installed: DebianRoot) -> None:
