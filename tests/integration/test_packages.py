@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -264,6 +265,49 @@ def test_qemu_boots_a_linux_guest_directly(installed: DebianRoot) -> None:
         for name in ("vmlinuz", "initramfs.cpio.gz"):
             (installed.path / "tmp" / name).unlink(missing_ok=True)
     assert "thinvm: modules loaded" in text, text[-3000:]
+
+
+LIBVIRT_PROBE = """
+set -e
+for d in /run/libvirt /var/lib/libvirt /var/cache/libvirt /var/log/libvirt; do
+    mkdir -p $d && mount -t tmpfs tmpfs $d
+done
+libvirtd -f "$1/libvirtd.conf" -p /run/libvirt/libvirtd.pid --timeout 60 &
+daemon=$!
+trap 'kill $daemon; wait $daemon || true' EXIT
+for i in $(seq 1 60); do [ -S /run/libvirt/libvirt-sock ] && break; sleep 0.5; done
+virsh -c qemu:///system domcapabilities --emulatorbin "$2" --virttype qemu --machine q35
+"""
+
+
+@pytest.mark.skipif(
+    not all(shutil.which(c) for c in ("libvirtd", "virsh", "unshare")), reason="no libvirt"
+)
+def test_libvirt_takes_the_packaged_qemu_as_an_emulator(apt_repo: Path) -> None:
+    """This machine's libvirt (a private libvirtd in its own mount
+    namespace, state on tmpfs) probes the binary of the .deb as
+    `<emulator>`: `virsh domcapabilities --emulatorbin`."""
+    deb = next(apt_repo.glob("thinvm-qemu_*.deb"))
+    # Somewhere libvirt-qemu, which libvirt probes as, can reach.
+    with tempfile.TemporaryDirectory(prefix="thinvm-probe-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(work)], check=True)
+        (work / "libvirtd.conf").write_text(
+            f'listen_tls = 0\nlisten_tcp = 0\nauth_unix_rw = "none"\n'
+            f'log_outputs = "3:file:{work}/libvirtd.log"\n'
+        )
+        binary = work / "usr/lib/thinvm-qemu/bin/qemu-system-x86_64"
+        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", LIBVIRT_PROBE]
+        proc = subprocess.run(
+            [*argv, "probe", str(work), str(binary)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    assert proc.returncode == 0, f"{proc.stderr}\n{proc.stdout[-2000:]}"
+    assert f"<path>{binary}</path>" in proc.stdout, proc.stdout[:2000]
+    assert "<machine>pc-q35-10.0</machine>" in proc.stdout, proc.stdout[:2000]
 
 
 def test_thinvm_runs_on_debians_python(installed: DebianRoot) -> None:
