@@ -4,7 +4,7 @@ CACHE ?= $(HOME)/.cache/thinvm
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python3
 
-.PHONY: setup demo test lint qemu image clean-cache
+.PHONY: setup demo test lint qemu image debs clean-cache
 
 setup:
 	@bash scripts/setup.sh
@@ -27,3 +27,8 @@ qemu:
 
 image:
 	bash guest/image/build.sh --kernel 6.1 --balloon stock
+
+# The Debian packages and their apt repository (docs/install.md); the
+# set-up builds them too.
+debs:
+	bash packaging/build-debs.sh

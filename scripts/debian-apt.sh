@@ -10,6 +10,7 @@
 #        debian-apt.sh source PKG[=VER]       (unpacks into $PWD)
 #        debian-apt.sh download PKG[=VER]...  (into $PWD)
 #        debian-apt.sh policy PKG
+#        debian-apt.sh mirror                 (prints the Debian mirror's URI)
 set -euo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
@@ -53,6 +54,10 @@ Acquire::Languages "none";
 CONF
 }
 
+if [ "${1:-}" = mirror ]; then
+	mirror_uri
+	exit 0
+fi
 write_config
 export APT_CONFIG=$root/etc/apt.conf
 case "${1:-}" in
@@ -78,7 +83,7 @@ policy|show|madison)
 	apt-cache "$cmd" "$@"
 	;;
 *)
-	echo "usage: $0 update|source|download|policy ..." >&2
+	echo "usage: $0 update|source|download|policy|mirror ..." >&2
 	exit 2
 	;;
 esac

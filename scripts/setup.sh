@@ -18,6 +18,7 @@ packages=(
 	busybox-static cpio kmod zstd xz-utils bc libelf-dev dwarves
 	python3-venv strace iproute2
 	swtpm
+	dpkg-dev
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -66,7 +67,7 @@ setup_venv() {
 	python3 -m venv "$venv"
 	"$venv/bin/pip" install -q --upgrade pip >&2
 	# meson >= 1.5 comes from PyPI: Debian 12's is too old for QEMU 10.
-	"$venv/bin/pip" install -q 'meson>=1.5' -e "$top[dev]" >&2
+	"$venv/bin/pip" install -q 'meson>=1.5' -e "${top}[dev]" >&2
 	echo "$want" >"$stamp"
 }
 
@@ -92,6 +93,9 @@ install_backports
 # Both builds as libvirt emulators under /usr/local/lib/thinvm (libvirt-qemu
 # cannot read /root); refreshed whenever a build changed.
 "$venv/bin/thinvm" fleet install >/dev/null
+# thinvm's Debian packages and their local apt repository (docs/install.md):
+# about 20 s when the QEMU build changed, a second otherwise.
+"$top/packaging/build-debs.sh" >/dev/null
 # Guest images: Debian's in-tree balloon driver and ours, for both kernels.
 for kernel in 6.1 6.12; do
 	"$top/guest/image/build.sh" --kernel "$kernel" --balloon stock >/dev/null

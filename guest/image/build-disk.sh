@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the thinvm Debian 12 disk image: a qcow2 root filesystem made
 # only from Debian packages (mmdebstrap), with systemd, a serial console,
-# no network, the thinvm agent as a systemd service, and our balloon
-# driver installed the way a user installs it: the thinvm-balloon-dkms
-# package (guest/balloon/mkdeb.sh), built by DKMS inside the image
+# no network, and thinvm's guest packages installed the way a user installs
+# them (packaging/build-debs.sh): the agent as the thinvm-guest-agent
+# package, whose postinst enables its systemd unit, and our balloon driver
+# as the thinvm-balloon-dkms package, built by DKMS inside the image
 # against the image's own kernel, blacklisting the in-tree virtio_balloon.
 #
 # The image boots by direct kernel boot (the kernel and initramfs are
@@ -15,8 +16,8 @@
 #   6.12  linux-image-amd64 from bookworm-backports
 #
 # Cached under $THINVM_CACHE/disk/<kernel>-<inputs>; an image whose
-# inputs (these scripts, the agent and driver sources, the kernel
-# package version) did not change is not rebuilt.  Downloaded .debs are
+# inputs (these scripts, the agent and driver sources and packaging, the
+# kernel package version) did not change is not rebuilt.  Downloaded .debs are
 # kept in $THINVM_CACHE/debs/disk, so a rebuild does not download again.
 # The last line on stdout is the image directory: disk.qcow2, vmlinuz,
 # initrd.img, image.json.  Progress goes to stderr.
@@ -90,7 +91,9 @@ inputs_hash() {
 			"$agent_src"/*.[ch] "$agent_src"/Makefile \
 			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
 			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
-			"$balloon_src"/mkdeb.sh "$balloon_src"/debian/* | awk '{ print $1 }'
+			"$top"/packaging/build-debs.sh "$top"/packaging/copyright \
+			"$top"/packaging/thinvm-guest-agent/* \
+			"$top"/packaging/thinvm-balloon-dkms/* | awk '{ print $1 }'
 	} | sha256sum | cut -c1-16
 }
 
@@ -98,17 +101,18 @@ build_agent() {
 	local obj=$cache/agent-build
 	mkdir -p "$obj"
 	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
-	cp "$obj/thinvm-agent" "$obj/thinvm-mem" "$tmp/"
+	cp "$obj/thinvm-mem" "$tmp/"
 }
 
 # Everything the customize hooks copy into the image, in one directory.
 stage_files() {
 	local s=$tmp/stage
 	mkdir -p "$s"
-	cp "$tmp/thinvm-agent" "$tmp/thinvm-mem" "$disk_src"/* "$s/"
-	cp "$top/docs/protocol/agent.md" "$s/agent.md" 2>/dev/null || : >"$s/agent.md"
-	cp "$top/docs/working-set.md" "$s/working-set.md" 2>/dev/null || : >"$s/working-set.md"
-	"$balloon_src/mkdeb.sh" "$s" >/dev/null
+	cp "$tmp/thinvm-mem" "$disk_src"/* "$s/"
+	local deb
+	for deb in $("$top/packaging/build-debs.sh" thinvm-guest-agent thinvm-balloon-dkms); do
+		cp "$deb" "$s/"
+	done
 }
 
 bootstrap() {
@@ -127,6 +131,7 @@ bootstrap() {
 	# the initramfs before the kernel is installed, then install our
 	# files and the DKMS package (which builds the driver), and trim
 	# what a test guest never reads.
+	# shellcheck disable=SC2016 # "$1" is the hook's argument, for mmdebstrap
 	mmdebstrap --mode=root --variant=apt --format=directory \
 		--include="$(IFS=,; echo "${include[*]}")" \
 		--dpkgopt='path-exclude=/usr/share/man/*' \
@@ -150,19 +155,18 @@ bootstrap() {
 # Runs as a mmdebstrap customize hook: $1 = staged files, $2 = the root.
 customize() {
 	local s=$1 r=$2
-	install -m 0755 "$s/thinvm-agent" "$r/usr/local/sbin/thinvm-agent"
+	# The test tools stay outside the packages.
 	install -m 0755 "$s/thinvm-guest-info" "$r/usr/local/sbin/thinvm-guest-info"
 	install -m 0755 "$s/thinvm-mem" "$r/usr/local/bin/thinvm-mem"
-	install -D -m 0644 "$s/agent.md" "$r/usr/local/share/doc/thinvm/agent.md"
-	install -m 0644 "$s/working-set.md" "$r/usr/local/share/doc/thinvm/working-set.md"
-	install -m 0644 "$s/thinvm-agent.default" "$r/etc/default/thinvm-agent"
-	install -m 0644 "$s/thinvm-agent.service" "$s/thinvm-boot-done.service" \
-		"$r/etc/systemd/system/"
-	chroot "$r" systemctl enable thinvm-agent.service thinvm-boot-done.service
-	# Installed as a user would: dpkg runs the postinst, DKMS builds.
-	cp "$s"/thinvm-balloon-dkms_*_all.deb "$r/tmp/"
-	chroot "$r" sh -c 'dpkg -i /tmp/thinvm-balloon-dkms_*_all.deb'
-	rm -f "$r"/tmp/thinvm-balloon-dkms_*_all.deb
+	install -m 0644 "$s/thinvm-boot-done.service" "$r/etc/systemd/system/"
+	chroot "$r" systemctl enable thinvm-boot-done.service
+	# Installed as a user would: dpkg runs the postinsts, which enable
+	# thinvm-agent.service and have DKMS build the driver.
+	cp "$s"/thinvm-guest-agent_*.deb "$s"/thinvm-balloon-dkms_*_all.deb "$r/tmp/"
+	chroot "$r" sh -c 'dpkg -i /tmp/thinvm-guest-agent_*.deb /tmp/thinvm-balloon-dkms_*_all.deb'
+	rm -f "$r"/tmp/thinvm-guest-agent_*.deb "$r"/tmp/thinvm-balloon-dkms_*_all.deb
+	[ -L "$r/etc/systemd/system/multi-user.target.wants/thinvm-agent.service" ] ||
+		die "thinvm-guest-agent did not enable thinvm-agent.service"
 	ls "$r"/lib/modules/*/updates/dkms/thinvm_balloon.ko* >/dev/null ||
 		die "DKMS did not install thinvm_balloon.ko"
 	echo "/dev/vda / ext4 rw,discard,errors=remount-ro 0 1" >"$r/etc/fstab"
@@ -177,7 +181,7 @@ customize() {
 
 make_disk() {
 	local root=$tmp/root kver
-	kver=$(ls "$root/lib/modules" | sort -V | tail -n 1)
+	kver=$(find "$root/lib/modules" -mindepth 1 -maxdepth 1 -printf '%f\n' | sort -V | tail -n 1)
 	[ -f "$root/boot/vmlinuz-$kver" ] || die "no vmlinuz-$kver in the image"
 	[ -f "$root/boot/initrd.img-$kver" ] || die "no initrd.img-$kver in the image"
 	cp "$root/boot/vmlinuz-$kver" "$tmp/vmlinuz"

@@ -1,11 +1,13 @@
 """Command lines and input validation, without starting QEMU."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from thinvm.cli import main
 from thinvm.errors import ThinvmError
+from thinvm.guest import image
 from thinvm.guest.image import GuestImage
 from thinvm.qemu import accel, builds
 from thinvm.qemu.builds import QemuBuild
@@ -140,3 +142,44 @@ def test_a_socket_path_too_long_for_unix_is_refused_before_qemu_starts(tmp_path:
     with pytest.raises(ThinvmError, match="a UNIX socket takes at most 107: set THINVM_RUN"):
         vm.start()
     assert vm.process is None and not vm.rundir.exists()
+
+
+def test_a_packaged_build_is_found_without_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """thinvm-qemu's /usr/lib/thinvm-qemu/build.json stands in for the cache."""
+    monkeypatch.setenv("THINVM_CACHE", str(tmp_path / "cache"))
+    binary = tmp_path / "qemu-system-x86_64"
+    binary.write_text("")
+    stamp = tmp_path / "build.json"
+    stamp.write_text(
+        json.dumps(
+            {
+                "flavour": "patched",
+                "debian_version": "1:10.0.13+ds-0+deb13u1",
+                "patch_hash": "e917952c7f93",
+                "patches": ["0001-x.patch"],
+                "binary": str(binary),
+            }
+        )
+    )
+    build = builds.find_build("patched", packaged={"patched": stamp})
+    assert build.binary == binary
+    assert build.patch_hash == "e917952c7f93"
+    with pytest.raises(ThinvmError, match="install the thinvm-qemu package"):
+        builds.find_build("patched", packaged={"patched": tmp_path / "none.json"})
+    with pytest.raises(ThinvmError, match=r"'qemu/build\.sh stock'$"):
+        builds.find_build("stock", packaged={"patched": stamp})
+
+
+def test_an_installation_without_the_image_builders_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thinvm package has no guest/: `thinvm up` explains, not a traceback."""
+    monkeypatch.setattr(image, "REPO", tmp_path)
+    image.ensure_image.cache_clear()
+    try:
+        with pytest.raises(ThinvmError, match="source repository"):
+            image.ensure_image("6.1", "stock")
+    finally:
+        image.ensure_image.cache_clear()

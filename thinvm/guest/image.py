@@ -43,6 +43,13 @@ def _balloon_arg(kernel: str, driver: str) -> str:
 
 
 def _last_line(cmd: list[str], what: str) -> str:
+    if not Path(cmd[0]).is_file():
+        # The thinvm Debian package has the library but not the builders.
+        raise ThinvmError(
+            f"{what}: {cmd[0]} is missing; the test guest images are built from "
+            "thinvm's source repository, which this installation does not have "
+            "(run thinvm from a checkout after 'make setup')"
+        )
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ThinvmError(f"{what} failed:\n{proc.stderr.strip()[-1500:]}")

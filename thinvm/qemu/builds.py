@@ -2,6 +2,9 @@
 
 Both are produced by qemu/build.sh from one Debian source package; each
 install directory holds the binary and a build.json naming its patch hash.
+On a host without the build cache, the patched build is the one the
+thinvm-qemu package installed (packaging/build-debs.sh), which carries the
+same build.json.
 """
 
 import json
@@ -13,6 +16,10 @@ from thinvm.errors import ThinvmError
 from thinvm.paths import REPO, cache_dir
 
 FLAVOURS = ("stock", "patched")
+
+# The build.json of each flavour a Debian package installs, looked at
+# when the build cache has none.
+PACKAGED = {"patched": Path("/usr/lib/thinvm-qemu/build.json")}
 
 
 @dataclass(frozen=True)
@@ -46,15 +53,20 @@ def check_flavour(flavour: str) -> None:
         raise ThinvmError(f"unknown QEMU build {flavour!r}: choose one of {', '.join(FLAVOURS)}")
 
 
-def find_build(flavour: str) -> QemuBuild:
-    """The installed build of that flavour; a clear error if there is none."""
+def find_build(flavour: str, packaged: dict[str, Path] | None = None) -> QemuBuild:
+    """The build of that flavour: a developer's own (qemu/build.sh), else
+    the one a Debian package installed; a clear error if there is none."""
     check_flavour(flavour)
     stamp = cache_dir() / "qemu" / flavour / "build.json"
     if not stamp.is_file():
-        raise ThinvmError(
-            f"QEMU build {flavour!r} is missing ({stamp.parent}): run 'make setup' "
-            f"or 'qemu/build.sh {flavour}'"
-        )
+        system = (PACKAGED if packaged is None else packaged).get(flavour)
+        if system is None or not system.is_file():
+            raise ThinvmError(
+                f"QEMU build {flavour!r} is missing ({stamp.parent}): run 'make setup' "
+                f"or 'qemu/build.sh {flavour}'"
+                + (f", or install the thinvm-qemu package ({system})" if system else "")
+            )
+        stamp = system
     meta = json.loads(stamp.read_text())
     binary = Path(meta["binary"])
     if not binary.is_file():
