@@ -24,8 +24,8 @@ VIRTIO_MEM_PATH = f"/machine/peripheral/{VIRTIO_MEM_ID}"
 # free).  Linux retries a failed unplug only after 50 s or more.
 STALL_SECONDS = 30.0
 POLL_SECONDS = 0.2
-# x-query-virtio-status's status bit the driver sets once it runs.
-VIRTIO_CONFIG_S_DRIVER_OK = 4
+# How x-query-virtio-status names the status bit a running driver sets.
+DRIVER_OK = "VIRTIO_CONFIG_S_DRIVER_OK"
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,12 @@ def guest_driver_ready(vm: VM) -> bool | None:
 
     x-query-virtio-status is unstable QMP: used only to explain a stall.
     """
-    with contextlib.suppress(ThinvmError, KeyError, TypeError, ValueError):
+    with contextlib.suppress(ThinvmError, KeyError, TypeError, AttributeError):
         info: dict[str, Any] = vm.qmp(
             "x-query-virtio-status", path=f"{VIRTIO_MEM_PATH}/virtio-backend"
         )
-        return bool(int(info["status"]) & VIRTIO_CONFIG_S_DRIVER_OK)
+        statuses = info["status"]["statuses"]
+        return any(str(s).startswith(DRIVER_OK) for s in statuses)
     return None
 
 
