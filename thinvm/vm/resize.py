@@ -20,8 +20,8 @@ from thinvm.vm.machine import VIRTIO_MEM_ID, VM, VMConfig
 
 VIRTIO_MEM_PATH = f"/machine/peripheral/{VIRTIO_MEM_ID}"
 # A guest that plugs or unplugs keeps `size` moving; one that has not
-# moved for this long is not going to (no driver, or memory it cannot
-# free).  Linux retries a failed unplug only after 50 s or more.
+# moved for this long is not going to soon (no driver, or memory it cannot
+# free: Linux's driver retries a failed unplug only after tens of seconds).
 STALL_SECONDS = 30.0
 POLL_SECONDS = 0.2
 # How x-query-virtio-status names the status bit a running driver sets.
