@@ -187,7 +187,10 @@ def _stall_message(vm: VM, plugged: int, requested: int, seconds: float) -> str:
             "cannot move: see docs/resize.md); the request stands and Linux retries it "
             "by itself, or resize it again"
         )
-    return f"{got}: the request stands; the guest may still plug the rest"
+    return (
+        f"{got}: the request stands; the guest may still plug the rest, or cannot "
+        "(no free memory for its bookkeeping, or no room in its address space)"
+    )
 
 
 def plan_for(vm: VM, size: int) -> Plan:
