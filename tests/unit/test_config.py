@@ -114,7 +114,7 @@ def test_no_virtio_mem_leaves_the_command_line_as_it_was() -> None:
         (VMConfig(virtio_mem=1 * GiB, virtio_mem_plugged=MiB), "must be a multiple of 2.00 MiB"),
         (VMConfig(virtio_mem_plugged=2 * MiB), "needs --virtio-mem SIZE"),
         (VMConfig(virtio_mem=1 * GiB, backend="file:/x"), "needs guest RAM from --backend ram"),
-        (VMConfig(virtio_mem=1 * GiB, pool="/p"), "warm pool RAM cannot give unplugged"),
+        (VMConfig(virtio_mem=1 * GiB, pool="/p"), "no file-backed or warm pool virtio-mem"),
     ],
 )
 def test_bad_virtio_mem_configurations(config: VMConfig, message: str) -> None:

@@ -47,8 +47,8 @@ UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux
 QMP_MONITORS = 4
 QMP_CONNECT_TIMEOUT = 10.0
 # The virtio-mem device and its memory backend (docs/resize.md).  2 MiB
-# blocks: one THP each on x86-64, the smallest block Linux guests plug
-# and unplug as sub-blocks of their 128 MiB memory blocks.
+# blocks: QEMU's default on x86-64 (one THP), and the sub-block size
+# Debian's 6.1 and 6.12 plug and unplug inside their 128 MiB memory blocks.
 VIRTIO_MEM_ID = "vmem0dev"
 VIRTIO_MEM_BACKEND_ID = "vmem0"
 VIRTIO_MEM_BLOCK_SIZE = 2 * MiB
@@ -135,8 +135,8 @@ def check_virtio_mem(config: VMConfig) -> None:
         )
     if config.backend not in ("ram", "memfd") or config.pool is not None:
         raise ThinvmError(
-            "--virtio-mem needs guest RAM from --backend ram or memfd: file-backed and "
-            "warm pool RAM cannot give unplugged blocks back"
+            "--virtio-mem needs guest RAM from --backend ram or memfd: thinvm backs the "
+            "device like the RAM, and has no file-backed or warm pool virtio-mem"
         )
 
 
