@@ -89,8 +89,12 @@ def test_shrunk_virtio_mem_guest_migrates_with_its_data(make_vm: VMFactory, buil
 def test_cli_resize_drives_virtio_mem_and_refuses_bad_sizes() -> None:
     name = "cli-vmem"
     try:
-        up = thinvm_ok("up", "--name", name, "--memory", "512M", "--virtio-mem", "512M")
+        up = thinvm_ok(
+            "up", "--name", name, "--memory", "512M", "--virtio-mem", "512M",
+            "--virtio-mem-plugged", "128M",
+        )  # fmt: skip
         assert "512.00 MiB + up to 512.00 MiB by virtio-mem" in up.stdout
+        assert "128.00 MiB plugged after" in up.stdout  # up waited for the guest
         out = thinvm_ok("resize", name, "769M")
         assert "virtio-mem blocks: resizing to 770.00 MiB" in out.stderr
         assert "770.00 MiB by virtio-mem" in out.stdout
