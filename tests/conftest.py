@@ -50,6 +50,14 @@ def thinvm_cli(
     return proc
 
 
+def thinvm_ok(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """thinvm_cli(); with check, a failure is an assertion error with its stderr."""
+    proc = thinvm_cli(*args)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"thinvm {' '.join(args)} failed: {proc.stderr}")
+    return proc
+
+
 @pytest.fixture(autouse=True)
 def no_orphan_qemu() -> Iterator[None]:
     """Every test must leave no QEMU process of its own behind."""

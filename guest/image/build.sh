@@ -25,8 +25,10 @@ agent_src=$top/guest/agent
 
 # Modules the guest needs beyond what the kernel has built in.  virtio_blk:
 # tests attach scratch disks, whose reads fill a real, reclaimable page
-# cache (the initramfs root is not).
-base_modules=(virtio_pci virtio_console virtio_blk)
+# cache (the initramfs root is not).  virtio_mem: VMs started with
+# --virtio-mem grow and shrink by plugging memory blocks (docs/resize.md);
+# without such a device the module loads and stays idle.
+base_modules=(virtio_pci virtio_console virtio_blk virtio_mem)
 
 log() { printf '[guest/image] %s\n' "$*" >&2; }
 die() { printf '[guest/image] error: %s\n' "$*" >&2; exit 1; }

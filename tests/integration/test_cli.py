@@ -1,21 +1,14 @@
 """The thinvm command end to end: up, status, balloon, exec, migrate, down."""
 
 import json
-import subprocess
 
 import pytest
 
-from tests.conftest import qemu_pids, thinvm_cli
+from tests.conftest import qemu_pids
+from tests.conftest import thinvm_ok as thinvm
 from thinvm.paths import run_dir
 
 pytestmark = pytest.mark.guest
-
-
-def thinvm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = thinvm_cli(*args)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"thinvm {' '.join(args)} failed: {proc.stderr}")
-    return proc
 
 
 def test_version_reports_both_builds() -> None:

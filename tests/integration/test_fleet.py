@@ -20,7 +20,7 @@ from tests.conftest import thinvm_cli
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
-from thinvm.fleet.domain import domain_xml
+from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest.agent import AgentClient
 from thinvm.units import MiB
 
@@ -64,10 +64,11 @@ def assert_nothing_left(root: Path) -> None:
 
 
 def start(state: ClusterState, images: dict[str, guest.DiskImage], name: str, host: str = "h1",
-          kernel: str = "6.1", thinvm: bool = True, memory: int = MEMORY) -> Host:  # fmt: skip
+          kernel: str = "6.1", thinvm: bool = True, memory: int = MEMORY,
+          virtio_mem: int = 0) -> Host:  # fmt: skip
     h = state.host(host)
     spec = guest.spec_for(
-        guest.GuestSpec(name, memory=memory, kernel=kernel, thinvm=thinvm),
+        guest.GuestSpec(name, memory=memory, kernel=kernel, thinvm=thinvm, virtio_mem=virtio_mem),
         images[kernel],
         cluster.shared_dir(Path(h.root).parent.parent),
     )
@@ -178,6 +179,42 @@ def test_setmem_migrate_back_and_forth_save_restore(
         verify_pattern(h1, name, 11)
     finally:
         save.unlink(missing_ok=True)
+        remove(h1, name)
+        remove(h2, name)
+
+
+def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
+    fleet: ClusterState, images: dict[str, guest.DiskImage]
+) -> None:
+    name = "vmem"
+    h1, h2 = fleet.host("h1"), fleet.host("h2")
+
+    def mem_total(h: Host) -> int:
+        return int(in_guest(h, name, "awk '/^MemTotal/ { print $2 }' /proc/meminfo")) * 1024
+
+    def request(size: str) -> None:
+        virsh(h1, "update-memory-device", name, "--alias", VIRTIO_MEM_ALIAS,
+              "--requested-size", size, "--live")  # fmt: skip
+
+    start(fleet, images, name, virtio_mem=512 * MiB)
+    try:
+        base = mem_total(h1)
+        # Debian's udev loads virtio_mem; the domain's command line onlines
+        # what it plugs as movable.
+        request("512M")
+        wait_for(lambda: mem_total(h1) >= base + 500 * MiB, "MemTotal to grow by 512 MiB")
+        in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 12")
+        request("128M")
+        wait_for(lambda: mem_total(h1) <= base + 140 * MiB, "MemTotal to shrink to +128 MiB")
+        shrunk = mem_total(h1)
+
+        there = migrate.migrate(h1, h2, name)
+        assert guest.domstate(h2, name) == "running", guest.domstate(h2, name)
+        verify_pattern(h2, name, 12)
+        assert mem_total(h2) == shrunk
+        sent = migrate.job_bytes(there.job)
+        assert sent is not None and sent < MEMORY + 128 * MiB, there.job
+    finally:
         remove(h1, name)
         remove(h2, name)
 

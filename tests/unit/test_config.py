@@ -12,7 +12,7 @@ from thinvm.guest.image import GuestImage
 from thinvm.qemu import accel, builds
 from thinvm.qemu.builds import QemuBuild
 from thinvm.units import GiB, MiB
-from thinvm.vm.machine import VM, BalloonOptions, VMConfig, check_memory_fits
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig, check_memory_fits, check_virtio_mem
 from thinvm.vm.migrate import MigrationResult
 
 
@@ -80,6 +80,50 @@ def test_unknown_backend_is_an_error() -> None:
         _vm(VMConfig(backend="nvme")).command_line()
 
 
+def test_virtio_mem_device_backend_and_maxmem() -> None:
+    config = VMConfig(memory=512 * MiB, virtio_mem=1 * GiB, virtio_mem_plugged=256 * MiB)
+    args = _vm(config).command_line()
+    assert _option(args, "-m") == ["512M,maxmem=1536M"]
+    assert "memory-backend-ram,id=vmem0,size=1073741824" in _option(args, "-object")
+    (device,) = [d for d in _option(args, "-device") if d.startswith("virtio-mem-pci")]
+    assert device == (
+        "virtio-mem-pci,id=vmem0dev,memdev=vmem0,block-size=2M,requested-size=268435456"
+    )
+    # Hotplugged memory is onlined by the guest kernel, movable.
+    assert "memhp_default_state=online_movable" in _option(args, "-append")[0]
+
+
+def test_virtio_mem_follows_the_ram_backend_and_preallocates_on_plug() -> None:
+    config = VMConfig(virtio_mem=1 * GiB, backend="memfd", prealloc=True, reserve=False)
+    args = _vm(config).command_line()
+    assert "memory-backend-memfd,id=vmem0,size=1073741824,reserve=off" in _option(args, "-object")
+    (device,) = [d for d in _option(args, "-device") if d.startswith("virtio-mem-pci")]
+    assert device.endswith(",prealloc=on")
+
+
+def test_no_virtio_mem_leaves_the_command_line_as_it_was() -> None:
+    args = _vm(VMConfig(memory=1 * GiB)).command_line()
+    assert _option(args, "-m") == ["1024M"]
+    assert not [d for d in _option(args, "-device") if "virtio-mem" in d]
+    assert "memhp_default_state" not in _option(args, "-append")[0]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (VMConfig(virtio_mem=3 * MiB), "not a positive multiple of the 2.00 MiB block size"),
+        (VMConfig(virtio_mem=1 * GiB, virtio_mem_plugged=2 * GiB), "between 0 and --virtio-mem"),
+        (VMConfig(virtio_mem=1 * GiB, virtio_mem_plugged=MiB), "must be a multiple of 2.00 MiB"),
+        (VMConfig(virtio_mem_plugged=2 * MiB), "needs --virtio-mem SIZE"),
+        (VMConfig(virtio_mem=1 * GiB, backend="file:/x"), "needs guest RAM from --backend ram"),
+        (VMConfig(virtio_mem=1 * GiB, pool="/p"), "no file-backed or warm pool virtio-mem"),
+    ],
+)
+def test_bad_virtio_mem_configurations(config: VMConfig, message: str) -> None:
+    with pytest.raises(ThinvmError, match=message):
+        check_virtio_mem(config)
+
+
 def test_incoming_defers() -> None:
     args = _vm(VMConfig(), incoming=True).command_line()
     assert _option(args, "-incoming") == ["defer"]
@@ -105,6 +149,8 @@ def test_unknown_build_and_accel() -> None:
 
 def test_config_round_trips_through_json() -> None:
     config = VMConfig(name="x", memory=3 * GiB, balloon=BalloonOptions(deflate_on_oom=True))
+    assert VMConfig.from_json(config.to_json()) == config
+    config = VMConfig(name="y", virtio_mem=1 * GiB, virtio_mem_plugged=2 * MiB)
     assert VMConfig.from_json(config.to_json()) == config
 
 

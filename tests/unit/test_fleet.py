@@ -7,7 +7,13 @@ import pytest
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, migrate
-from thinvm.fleet.domain import BALLOON_ALIAS, QEMU_NS, DomainSpec, domain_xml
+from thinvm.fleet.domain import (
+    BALLOON_ALIAS,
+    QEMU_NS,
+    VIRTIO_MEM_ALIAS,
+    DomainSpec,
+    domain_xml,
+)
 from thinvm.units import MiB
 
 Q = f"{{{QEMU_NS}}}"
@@ -63,6 +69,26 @@ def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
     assert root.findtext("iothreads") == "1"
 
 
+def test_virtio_mem_domain_has_the_device_a_numa_node_and_maxmemory() -> None:
+    root = parse(
+        spec(memory=512 * MiB, cpus=2, virtio_mem=1024 * MiB, virtio_mem_requested=256 * MiB)
+    )
+    max_memory = root.find("maxMemory")
+    assert max_memory is not None and max_memory.text == "1536" and max_memory.get("unit") == "MiB"
+    assert root.findtext("memory") == "1536" and root.findtext("currentMemory") == "512"
+    cell = root.find("cpu/numa/cell")
+    assert cell is not None and (cell.get("cpus"), cell.get("memory")) == ("0-1", "512")
+    target = root.find("devices/memory[@model='virtio-mem']/target")
+    assert target is not None
+    assert (target.findtext("size"), target.findtext("requested")) == ("1024", "256")
+    assert target.findtext("block") == "2048" and target.find("block").get("unit") == "KiB"  # type: ignore[union-attr]
+    assert root.find("devices/memory/alias").get("name") == VIRTIO_MEM_ALIAS  # type: ignore[union-attr]
+    assert root.findtext("os/cmdline", "").endswith(" memhp_default_state=online_movable")
+    plain = parse(spec())
+    assert plain.find("maxMemory") is None and plain.find("cpu/numa") is None
+    assert "memhp_default_state" not in plain.findtext("os/cmdline", "")
+
+
 def test_capability_name_follows_a_rename(tmp_path: Path) -> None:
     assert emulator.sparse_ram_capability() in ("sparse-ram", "x-sparse-ram")
     (tmp_path / "0002-migration-add-the-sparse-ram-capability.patch").write_text(
@@ -87,6 +113,8 @@ def test_capability_missing_is_an_error(tmp_path: Path) -> None:
         {"memory": 1000 * MiB + 1},
         {"current_memory": 2048 * MiB},
         {"cpus": 0},
+        {"virtio_mem": 3 * MiB},
+        {"virtio_mem": 512 * MiB, "virtio_mem_requested": 1024 * MiB},
     ],
 )
 def test_invalid_domains_are_refused(kw: dict[str, object]) -> None:

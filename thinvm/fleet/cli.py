@@ -49,6 +49,8 @@ def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
         kernel=args.kernel,
         build=args.build,
         thinvm=not args.no_thinvm,
+        virtio_mem=parse_size(args.virtio_mem),
+        virtio_mem_requested=parse_size(args.virtio_mem_requested),
     )
 
 
@@ -221,6 +223,19 @@ def _add_guest_options(p: argparse.ArgumentParser) -> None:
         "--no-thinvm",
         action="store_true",
         help="stock's best instead: reporting + hinting, no ranges, no sparse-ram",
+    )
+    p.add_argument(
+        "--virtio-mem",
+        default="0",
+        metavar="SIZE",
+        help="a virtio-mem device the guest can grow by, beyond --memory "
+        "(virsh update-memory-device NAME --alias ua-vmem0 --requested-size SIZE)",
+    )
+    p.add_argument(
+        "--virtio-mem-requested",
+        default="0",
+        metavar="SIZE",
+        help="how much of --virtio-mem is plugged at start (default 0)",
     )
 
 

@@ -9,7 +9,10 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
   `<qemu:override>` on the balloon's alias;
 - sparse-ram: a migration capability libvirt does not know, set on the
   command line as `-global migration.<cap>=on`, so that both ends of a
-  migration have it (the XML travels with the domain).
+  migration have it (the XML travels with the domain);
+- virtio-mem (docs/resize.md): libvirt's `<memory model='virtio-mem'>`,
+  which needs `<maxMemory>` and a guest NUMA node; resized with
+  `virsh update-memory-device NAME --alias ua-vmem0 --requested-size SIZE`.
 """
 
 import xml.etree.ElementTree as ET
@@ -18,7 +21,13 @@ from pathlib import Path
 
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
-from thinvm.vm.machine import BALLOON_RANGES_PROPERTY
+from thinvm.vm.machine import (
+    BALLOON_RANGES_PROPERTY,
+    VIRTIO_MEM_BLOCK_SIZE,
+    VIRTIO_MEM_KERNEL_ARGS,
+    VMConfig,
+    check_virtio_mem,
+)
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
@@ -34,6 +43,7 @@ BALLOON_QOM_PATH = f"/machine/peripheral/{BALLOON_ALIAS}"
 # libvirt-qemu) can write on every host; the path is the same on both ends
 # of a migration but each host has its own directory.
 MONITOR_DIR = "/var/lib/libvirt/qemu"
+VIRTIO_MEM_ALIAS = "ua-vmem0"
 
 
 def monitor_path(name: str) -> str:
@@ -63,6 +73,10 @@ class DomainSpec:
     sparse_ram: str | None = "sparse-ram"
     extra_globals: list[str] = field(default_factory=list)
     thinvm_monitor: bool = True
+    # virtio-mem: how much the guest can grow beyond `memory` (0: none),
+    # and how much of it is plugged at start.
+    virtio_mem: int = 0
+    virtio_mem_requested: int = 0
 
     def validate(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -74,6 +88,10 @@ class DomainSpec:
             raise ThinvmError("current memory must be whole MiB and at most the memory")
         if self.cpus < 1:
             raise ThinvmError("a guest needs at least one vCPU")
+        # The same rules as for `thinvm up --virtio-mem`.
+        check_virtio_mem(
+            VMConfig(virtio_mem=self.virtio_mem, virtio_mem_plugged=self.virtio_mem_requested)
+        )
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -117,6 +135,35 @@ def _balloon_override(root: ET.Element, spec: DomainSpec) -> None:
         )
 
 
+def _virtio_mem(devices: ET.Element, spec: DomainSpec) -> None:
+    if not spec.virtio_mem:
+        return
+    memory = _sub(devices, "memory", model="virtio-mem")
+    target = _sub(memory, "target")
+    _sub(target, "size", str(spec.virtio_mem // MiB), unit="MiB")
+    _sub(target, "node", "0")
+    _sub(target, "block", str(VIRTIO_MEM_BLOCK_SIZE // 1024), unit="KiB")
+    _sub(target, "requested", str(spec.virtio_mem_requested // MiB), unit="MiB")
+    _sub(memory, "alias", name=VIRTIO_MEM_ALIAS)
+
+
+def _cpu(root: ET.Element, spec: DomainSpec) -> None:
+    # TCG's most capable CPU model; both ends of a migration run the same.
+    cpu = _sub(root, "cpu", mode="maximum", migratable="on")
+    if spec.virtio_mem:
+        # libvirt plugs memory devices only into a guest NUMA node.
+        numa = _sub(cpu, "numa")
+        cpus = f"0-{spec.cpus - 1}" if spec.cpus > 1 else "0"
+        _sub(numa, "cell", id="0", cpus=cpus, memory=str(spec.memory // MiB), unit="MiB")
+
+
+def _cmdline(spec: DomainSpec) -> str:
+    """The kernel command line; with virtio-mem, hotplugged memory goes movable."""
+    if spec.virtio_mem and VIRTIO_MEM_KERNEL_ARGS not in spec.cmdline:
+        return f"{spec.cmdline} {VIRTIO_MEM_KERNEL_ARGS}"
+    return spec.cmdline
+
+
 def _commandline(root: ET.Element, spec: DomainSpec) -> None:
     globals_ = list(spec.extra_globals)
     if spec.sparse_ram:
@@ -153,6 +200,7 @@ def _devices(root: ET.Element, spec: DomainSpec) -> None:
     _sub(channel, "source", mode="bind")
     _sub(channel, "target", type="virtio", name=AGENT_PORT)
     _memballoon(devices, spec)
+    _virtio_mem(devices, spec)
 
 
 def domain_xml(spec: DomainSpec) -> str:
@@ -160,7 +208,13 @@ def domain_xml(spec: DomainSpec) -> str:
     spec.validate()
     root = ET.Element("domain", type="qemu")
     _sub(root, "name", spec.name)
-    _sub(root, "memory", str(spec.memory // MiB), unit="MiB")
+    if spec.virtio_mem:
+        # One slot, as QEMU's -m wants with maxmem (virtio-mem needs none,
+        # libvirt's check on memory devices may count it).
+        top = (spec.memory + spec.virtio_mem) // MiB
+        _sub(root, "maxMemory", str(top), slots="1", unit="MiB")
+    # libvirt counts memory devices into <memory>: base + virtio-mem.
+    _sub(root, "memory", str((spec.memory + spec.virtio_mem) // MiB), unit="MiB")
     _sub(root, "currentMemory", str((spec.current_memory or spec.memory) // MiB), unit="MiB")
     _sub(root, "vcpu", str(spec.cpus))
     if spec.free_page_hint:
@@ -169,13 +223,12 @@ def domain_xml(spec: DomainSpec) -> str:
     _sub(os_, "type", "hvm", arch="x86_64", machine="q35")
     _sub(os_, "kernel", str(spec.kernel))
     _sub(os_, "initrd", str(spec.initrd))
-    _sub(os_, "cmdline", spec.cmdline)
+    _sub(os_, "cmdline", _cmdline(spec))
     # Without <acpi/> libvirt turns ACPI off: no graceful shutdown.
     features = _sub(root, "features")
     _sub(features, "acpi")
     _sub(features, "apic")
-    # TCG's most capable CPU model; both ends of a migration run the same.
-    _sub(root, "cpu", mode="maximum", migratable="on")
+    _cpu(root, spec)
     _sub(root, "on_poweroff", "destroy")
     _sub(root, "on_reboot", "restart")
     _sub(root, "on_crash", "destroy")

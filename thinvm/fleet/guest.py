@@ -72,6 +72,8 @@ class GuestSpec:
     build: str = "patched"  # whose emulator path the domain names
     thinvm: bool = True  # ranges + sparse-ram (False: stock's best)
     hint: bool = True  # free page hinting (QEMU's, on an iothread)
+    virtio_mem: int = 0  # docs/resize.md; 0: no virtio-mem device
+    virtio_mem_requested: int = 0
 
 
 def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
@@ -95,6 +97,8 @@ def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
         ranges=guest.thinvm,
         free_page_hint=guest.hint,
         sparse_ram=emulator.sparse_ram_capability() if guest.thinvm else None,
+        virtio_mem=guest.virtio_mem,
+        virtio_mem_requested=guest.virtio_mem_requested,
     )
 
 

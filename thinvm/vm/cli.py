@@ -11,7 +11,7 @@ from thinvm.pool import cli as pool_cli
 from thinvm.progress import ProgressLine
 from thinvm.qemu import builds
 from thinvm.units import format_size, parse_size
-from thinvm.vm import balloon, migrate, registry
+from thinvm.vm import balloon, migrate, registry, resize
 from thinvm.vm.machine import BalloonOptions, VMConfig
 
 EXEC_DESCRIPTION = """\
@@ -48,6 +48,19 @@ def add_vm_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranges", action="store_true", help="offer page-range ballooning (--build patched)"
     )
+    parser.add_argument(
+        "--virtio-mem",
+        default="0",
+        metavar="SIZE",
+        help="a virtio-mem device the guest can grow by, beyond --memory (docs/resize.md)",
+    )
+    parser.add_argument(
+        "--virtio-mem-plugged",
+        default="0",
+        metavar="SIZE",
+        help="how much of --virtio-mem the guest has at start (default 0: it boots with "
+        "--memory and grows with 'thinvm resize')",
+    )
 
 
 def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig:
@@ -73,6 +86,8 @@ def config_from_args(args: argparse.Namespace, name: str = "thinvm") -> VMConfig
             free_page_reporting=args.free_page_reporting,
             ranges=args.ranges,
         ),
+        virtio_mem=parse_size(args.virtio_mem),
+        virtio_mem_plugged=parse_size(args.virtio_mem_plugged),
     )
 
 
@@ -83,13 +98,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     vm = registry.up(config)
     if vm.pool_note:
         print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
+    memory = format_size(config.memory)
+    if config.virtio_mem:
+        memory += f" + up to {format_size(config.virtio_mem)} by virtio-mem"
     print(
-        f"{args.name}: up (pid {vm.pid}, {vm.accel}, {format_size(vm.config.memory)}, "
+        f"{args.name}: up (pid {vm.pid}, {vm.accel}, {memory}, "
         f"agent ready after {vm.boot_seconds:.1f} s); serial log {vm.serial_log}"
     )
     if vm.pool_lease is not None:
         print(f"{args.name}: RAM from {vm.pool_lease.describe()}")
+    if config.virtio_mem_plugged:
+        _wait_initial_plug(config)
     return 0
+
+
+def _wait_initial_plug(config: VMConfig) -> None:
+    """`up` returns with the guest at the size asked for, or says why not."""
+    line = ProgressLine(f"{config.name}: ")
+    with registry.attached(config.name) as vm:
+        try:
+            seconds = resize.wait_plugged(
+                vm, config.virtio_mem_plugged, progress=_resize_progress(line)
+            )
+        finally:
+            line.done()
+    print(f"{config.name}: {format_size(config.virtio_mem_plugged)} plugged after {seconds:.1f} s")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -108,6 +141,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 line += f", balloon actual {format_size(balloon.query(vm).actual)}"
             if vm.operator_target is not None:
                 line += f" (held at {format_size(vm.operator_target)}: thinvm balloon)"
+            if vm.config.virtio_mem:
+                line += f", {resize.describe(vm)}"
             print(line)
     return 0
 
@@ -133,6 +168,32 @@ def cmd_balloon(args: argparse.Namespace) -> int:
             f"{args.name}: actual {format_size(balloon.query(vm).actual)} after {seconds:.2f} s; "
             f"host RSS {format_size(before)} -> {format_size(after)}"
         )
+    return 0
+
+
+def _resize_progress(line: ProgressLine) -> resize.Progress:
+    return lambda now, wanted: line.update(f"{format_size(now)} of {format_size(wanted)}")
+
+
+def cmd_resize(args: argparse.Namespace) -> int:
+    with registry.attached(args.name) as vm:
+        plan = resize.plan_for(vm, parse_size(args.size))
+        if plan.note:
+            _warn(f"{args.name}: {plan.note}")
+        if plan.lever == "balloon":
+            # As 'thinvm balloon' does: a balance controller leaves it there.
+            registry.set_operator_target(vm, plan.target)
+        before = vm.host_memory().rss
+        line = ProgressLine(f"{args.name}: ")
+        try:
+            result = resize.apply(vm, plan, args.timeout, _resize_progress(line))
+        finally:
+            line.done()
+        after = vm.host_memory().rss
+    print(
+        f"{args.name}: {format_size(result.size)} by {result.lever} after "
+        f"{result.seconds:.2f} s; host RSS {format_size(before)} -> {format_size(after)}"
+    )
     return 0
 
 
@@ -229,6 +290,17 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     )
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_balloon)
+
+    p = sub.add_parser(
+        "resize",
+        help="grow or shrink a VM to SIZE in total, by virtio-mem if it has it, else the balloon",
+    )
+    p.add_argument("name")
+    p.add_argument(
+        "size", help="the guest's total memory, e.g. 1G (virtio-mem: rounded to its blocks)"
+    )
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_resize)
 
     p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
     p.add_argument("name")

@@ -46,6 +46,16 @@ UNIX_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path) on Linux
 # free one under a lock file (see Monitors in docs/protocol/agent.md).
 QMP_MONITORS = 4
 QMP_CONNECT_TIMEOUT = 10.0
+# The virtio-mem device and its memory backend (docs/resize.md).  2 MiB
+# blocks: QEMU's default on x86-64 (one THP), and the sub-block size
+# Debian's 6.1 and 6.12 plug and unplug inside their 128 MiB memory blocks.
+VIRTIO_MEM_ID = "vmem0dev"
+VIRTIO_MEM_BACKEND_ID = "vmem0"
+VIRTIO_MEM_BLOCK_SIZE = 2 * MiB
+# Memory a guest hotplugs is onlined by its kernel, not by user space (the
+# busybox guest has no udev), and into ZONE_MOVABLE, so that it can be
+# unplugged again: Debian's 6.1 leaves hotplugged memory offline by default.
+VIRTIO_MEM_KERNEL_ARGS = "memhp_default_state=online_movable"
 MIN_MEMORY = 256 * MiB
 PR_SET_PDEATHSIG = 1
 
@@ -86,6 +96,15 @@ class VMConfig:
     # A warm pool directory (thinvm.pool): RAM comes from one of its
     # pre-zeroed slots, or, when none fits, is preallocated as usual.
     pool: str | None = None
+    # virtio-mem (docs/resize.md): how much memory the guest can grow by
+    # beyond `memory` (0: no device), and how much of it is plugged at start.
+    virtio_mem: int = 0
+    virtio_mem_plugged: int = 0
+
+    @property
+    def max_memory(self) -> int:
+        """What the guest can have at most: base memory plus all of virtio-mem."""
+        return self.memory + self.virtio_mem
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +114,30 @@ class VMConfig:
         data = dict(data)
         data["balloon"] = BalloonOptions(**data.get("balloon", {}))
         return cls(**data)
+
+
+def check_virtio_mem(config: VMConfig) -> None:
+    """Refuse a virtio-mem configuration QEMU would refuse less clearly."""
+    if config.virtio_mem == 0:
+        if config.virtio_mem_plugged:
+            raise ThinvmError("--virtio-mem-plugged needs --virtio-mem SIZE")
+        return
+    block = VIRTIO_MEM_BLOCK_SIZE
+    if config.virtio_mem < 0 or config.virtio_mem % block:
+        raise ThinvmError(
+            f"--virtio-mem {format_size(config.virtio_mem)} is not a positive multiple "
+            f"of the {format_size(block)} block size"
+        )
+    if not 0 <= config.virtio_mem_plugged <= config.virtio_mem or config.virtio_mem_plugged % block:
+        raise ThinvmError(
+            f"--virtio-mem-plugged {format_size(config.virtio_mem_plugged)} must be a multiple "
+            f"of {format_size(block)} between 0 and --virtio-mem {format_size(config.virtio_mem)}"
+        )
+    if config.backend not in ("ram", "memfd") or config.pool is not None:
+        raise ThinvmError(
+            "--virtio-mem needs guest RAM from --backend ram or memfd: thinvm backs the "
+            "device like the RAM, and has no file-backed or warm pool virtio-mem"
+        )
 
 
 def check_memory_fits(config: VMConfig, pooled: bool = False) -> None:
@@ -117,9 +160,9 @@ def check_memory_fits(config: VMConfig, pooled: bool = False) -> None:
     # Untouched guest RAM costs nothing, but with reserve=on the kernel's
     # overcommit heuristic refuses a mapping larger than RAM + swap.
     limit = meminfo["MemTotal"] + meminfo.get("SwapTotal", 0)
-    if config.reserve and config.memory > limit:
+    if config.reserve and config.max_memory > limit:
         raise ThinvmError(
-            f"guest memory {format_size(config.memory)} cannot fit in this host's "
+            f"guest memory {format_size(config.max_memory)} cannot fit in this host's "
             f"{format_size(limit)} of RAM+swap: pass a smaller --memory, or --no-reserve "
             "to overcommit memory the guest will not touch"
         )
@@ -238,6 +281,35 @@ class VM:
             props.append("reserve=off")
         return ["-object", f"{kind}," + ",".join(props)]
 
+    def _memory_size_args(self) -> list[str]:
+        """-m: base memory, and with virtio-mem room above it up to maxmem."""
+        cfg = self.config
+        size = f"{cfg.memory // MiB}M"
+        if cfg.virtio_mem:
+            size += f",maxmem={cfg.max_memory // MiB}M"
+        return ["-m", size]
+
+    def _virtio_mem_args(self) -> list[str]:
+        cfg = self.config
+        if not cfg.virtio_mem:
+            return []
+        kind = "memory-backend-memfd" if cfg.backend == "memfd" else "memory-backend-ram"
+        backend = [f"id={VIRTIO_MEM_BACKEND_ID},size={cfg.virtio_mem}"]
+        if not cfg.reserve:
+            backend.append("reserve=off")
+        device = [
+            "virtio-mem-pci",
+            f"id={VIRTIO_MEM_ID}",
+            f"memdev={VIRTIO_MEM_BACKEND_ID}",
+            f"block-size={VIRTIO_MEM_BLOCK_SIZE // MiB}M",
+            f"requested-size={cfg.virtio_mem_plugged}",
+        ]
+        # QEMU refuses a preallocated backend here (virtio-mem would discard
+        # it all at once): the device preallocates each block it plugs.
+        if cfg.prealloc:
+            device.append("prealloc=on")
+        return ["-object", f"{kind}," + ",".join(backend), "-device", ",".join(device)]
+
     def _balloon_args(self) -> list[str]:
         opts = self.config.balloon
         if not opts.enabled:
@@ -273,7 +345,8 @@ class VM:
     def command_line(self) -> list[str]:
         assert self.build is not None and self.image is not None
         cfg = self.config
-        append = f"console=ttyS0 panic=-1 {cfg.append}".strip()
+        hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
+        append = " ".join(a for a in ("console=ttyS0 panic=-1", hotplug, cfg.append) if a)
         args = [
             str(self.build.binary),
             "-name",
@@ -283,8 +356,7 @@ class VM:
             *self._accel_args(),
             "-smp",
             str(cfg.cpus),
-            "-m",
-            str(cfg.memory // MiB),
+            *self._memory_size_args(),
             *self._memory_backend_args(),
             "-nodefaults",
             "-no-user-config",
@@ -307,6 +379,7 @@ class VM:
             "-device",
             f"virtserialport,chardev=agent0,name={AGENT_PORT_NAME}",
             *self._balloon_args(),
+            *self._virtio_mem_args(),
             "-pidfile",
             str(self.rundir / "qemu.pid"),
         ]
@@ -316,6 +389,7 @@ class VM:
 
     # -- lifecycle ---------------------------------------------------------
     def _resolve(self) -> None:
+        check_virtio_mem(self.config)
         self._take_pool_slot()
         try:
             check_memory_fits(self.config, pooled=self.pool_lease is not None)
