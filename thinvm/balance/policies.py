@@ -398,6 +398,11 @@ class ThinvmPolicy:
                 )
                 continue
             target = _clamp(_current_target(want) + grant, want.limits, want.vm)
+            if target <= _current_target(want):
+                decisions[name] = Decision(
+                    name, None, f"{want.reason}; host cannot spare a whole virtio-mem block"
+                )
+                continue
             note = f"; {_mib(grant)} of {_mib(ask)} asked ({host.why})" if grant < ask else ""
             decisions[name] = Decision(name, target, f"grow: {want.reason}{note}")
             spare -= target - _current_target(want)
