@@ -695,9 +695,9 @@ def test_virtio_mem_blocks_larger_than_a_step_are_unplugged_one_block_at_a_time(
 def test_virtio_mem_guest_is_never_unplugged_on_stale_or_missing_stats() -> None:
     plan, _ = settle(ThinvmPolicy(), vmem_guest(age=60.0), cycles=6)
     assert plan.decisions[0].target is None and "60 s old" in plan.decisions[0].reason
-    # Without a balloon there are no statistics at all: never shrunk, still managed.
-    plan, _ = settle(ThinvmPolicy(), vmem_guest(balloon_actual=None), cycles=6)
-    assert plan.decisions[0].target is None and "missing" in plan.decisions[0].reason
+    # Without a balloon there are no statistics at all: left alone, not even plugged.
+    plan, _ = settle(ThinvmPolicy(), vmem_guest(plugged=0, balloon_actual=None), cycles=6)
+    assert plan.decisions[0].target is None and "left alone" in plan.decisions[0].reason
 
 
 def test_a_stalling_virtio_mem_guest_is_plugged_at_once_within_its_maximum() -> None:

@@ -22,6 +22,7 @@ from thinvm.balance.model import (
     Backing,
     Decision,
     HostSample,
+    Lever,
     Plan,
     VmLimits,
     VmSample,
@@ -434,6 +435,10 @@ def _unmanaged(vm: VmSample, limits: VmLimits) -> str:
         return "shares 0: not managed"
     if vm.actual is None:
         return "no balloon or virtio-mem device"
+    if Lever.BALLOON not in vm.levers:
+        # Statistics come from the balloon: without them the rules could
+        # never shrink the guest, only plug memory into it.
+        return "virtio-mem without a balloon: no guest statistics; left alone"
     if vm.migrating:
         return "migrating: left alone"
     if vm.backing is Backing.PINNED:
