@@ -76,6 +76,16 @@ def controller(backend: FakeBackend, state: Path, **kw: object) -> Controller:
     )  # type: ignore[arg-type]
 
 
+def logged_controller(
+    backend: FakeBackend, state: Path, **kw: object
+) -> tuple[Controller, list[str]]:
+    """controller(), with the lines it logs."""
+    lines: list[str] = []
+    ctl = controller(backend, state, **kw)
+    ctl.log = lines.append
+    return ctl, lines
+
+
 def test_loop_shrinks_an_idle_guest_step_by_step_and_records_why(tmp_path: Path) -> None:
     backend = FakeBackend()
     ctl = controller(backend, tmp_path / "s.json")
@@ -110,9 +120,7 @@ def test_a_vm_an_operator_ballooned_is_left_there_until_handed_back(tmp_path: Pa
 
 def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     backend = FakeBackend()
-    lines: list[str] = []
-    ctl = controller(backend, tmp_path / "s.json", dry_run=True)
-    ctl.log = lines.append
+    ctl, lines = logged_controller(backend, tmp_path / "s.json", dry_run=True)
     ctl.run(cycles=4)
     assert backend.sent == []
     assert any("would set" in line for line in lines)
@@ -247,9 +255,7 @@ def test_loop_unplugs_an_idle_virtio_mem_guest_to_its_base_and_says_so(tmp_path:
 def test_a_virtio_mem_vm_an_operator_resized_is_left_there(tmp_path: Path) -> None:
     backend = FakeVirtioMemBackend()
     backend.held["v"] = BASE + VMEM  # thinvm resize v 1.5G
-    lines: list[str] = []
-    ctl = controller(backend, tmp_path / "s.json", verbose=True)
-    ctl.log = lines.append
+    ctl, lines = logged_controller(backend, tmp_path / "s.json", verbose=True)
     ctl.run(cycles=6)
     assert backend.sent == []
     assert any("'thinvm resize v auto' hands it back" in line for line in lines)
