@@ -399,7 +399,7 @@ class ThinvmPolicy:
                 )
                 continue
             target = _clamp(_current_target(want) + grant, want.limits, want.vm)
-            if target <= _current_target(want):
+            if want.vm.virtio_mem is not None and target <= _current_target(want):
                 decisions[name] = Decision(
                     name, None, f"{want.reason}; host cannot spare a whole virtio-mem block"
                 )
