@@ -27,7 +27,7 @@ from thinvm.balance.policies import ThinvmPolicy
 from thinvm.guest import workload
 from thinvm.paths import REPO, run_dir
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import balloon
+from thinvm.vm import balloon, resize
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
@@ -140,6 +140,53 @@ def test_freed_memory_is_ballooned_down_and_given_back_before_the_guest_stalls(
     held = int(vm.agent.check(alive).stdout)
     assert held == 8  # every holder is still alive: nothing was killed
     print(f"shrunk to {format_size(low)} in {shrink_seconds:.1f} s; grew to {format_size(final)}")
+
+
+def test_virtio_mem_guest_is_unplugged_when_it_frees_memory_and_plugged_when_it_grows(
+    make_vm: VMFactory,
+) -> None:
+    """512 MiB base + 1 GiB virtio-mem, all plugged.  The controller shrinks
+    the guest through requested-size (the balloon never moves), the host
+    gets the unplugged memory back, and the guest gets it again when it
+    allocates, without an OOM kill."""
+    base, vmem = 512 * MiB, 1 * GiB
+    config = VMConfig(
+        name="bal-vmem", memory=base, virtio_mem=vmem, virtio_mem_plugged=vmem,
+        balloon=BalloonOptions(enabled=True),
+    )  # fmt: skip
+    vm = make_vm(config)
+    resize.wait_plugged(vm, vmem)
+    balloon.enable_stats(vm, 1)
+    # Back all of it on the host, then free it (no reporting: the host keeps it).
+    workload.touch_free_memory(vm.agent)
+    rss_before = vm.host_memory().rss
+    ctl = controller([vm])
+    started = time.monotonic()
+    reports = drive(ctl, 60, until=lambda _r: resize.virtio_mem_status(vm).size == 0)
+    shrink_seconds = time.monotonic() - started
+    sample = reports[-1].samples[0]
+    assert sample.lever == "virtio-mem" and sample.virtio_mem is not None
+    # Never below the base memory, though the floor given is 256 MiB.
+    assert min(actual_of(r, "bal-vmem") for r in reports) >= base
+    assert balloon.query(vm).actual == base, "the balloon moved"
+    dropped = rss_before - vm.host_memory().rss
+    assert dropped >= 0.75 * vmem, f"host RSS dropped by only {format_size(dropped)}"
+
+    # The guest's working set grows by 512 MiB, 64 MiB every 2 s.
+    thread, errors = in_background(lambda: grow_in_steps(vm, 8, 64, 2.0))
+    drive(ctl, 90, until=lambda _r: not thread.is_alive())
+    thread.join()
+    assert not errors, f"guest workload failed: {errors[0]}"
+    plugged = resize.virtio_mem_status(vm).size
+    assert plugged >= 384 * MiB, f"only {format_size(plugged)} plugged again"
+    assert balloon.query(vm).actual == base, "the balloon moved"
+    assert oom_kills(vm) == 0
+    alive = "for f in /run/grow-*.pid; do kill -0 $(cat $f) && echo up; done | wc -l"
+    assert int(vm.agent.check(alive).stdout) == 8  # every holder is still alive
+    print(
+        f"unplugged {format_size(vmem)} in {shrink_seconds:.1f} s (host RSS -"
+        f"{format_size(dropped)}); plugged {format_size(plugged)} again"
+    )
 
 
 def test_host_pressure_reclaims_from_the_idle_guest_not_the_busy_one(

@@ -98,7 +98,12 @@ def test_cli_resize_drives_virtio_mem_and_refuses_bad_sizes() -> None:
         out = thinvm_ok("resize", name, "769M")
         assert "virtio-mem blocks: resizing to 770.00 MiB" in out.stderr
         assert "770.00 MiB by virtio-mem" in out.stdout
-        assert "virtio-mem 258.00 MiB of 512.00 MiB plugged" in thinvm_ok("status", name).stdout
+        status = thinvm_ok("status", name).stdout
+        assert "virtio-mem 258.00 MiB of 512.00 MiB plugged" in status
+        # Like 'thinvm balloon': a balance controller leaves it there until 'auto'.
+        assert "held at 770.00 MiB: thinvm resize" in status
+        assert "left to the balance controller" in thinvm_ok("resize", name, "auto").stdout
+        assert "held at" not in thinvm_ok("status", name).stdout
         for size, message in [
             ("256M", "below its base memory 512.00 MiB"),
             ("2G", "above its maximum 1.00 GiB"),

@@ -2,13 +2,20 @@
 
 import json
 from pathlib import Path
+from typing import Any
 
-from thinvm.balance.backends import domain_sample, migrating_from_jobinfo, parse_domstats
+from thinvm.balance.backends import (
+    ThinvmBackend,
+    domain_sample,
+    migrating_from_jobinfo,
+    parse_domstats,
+)
 from thinvm.balance.daemon import Controller, format_status, load_status
-from thinvm.balance.model import GuestStats, HostSample, Reclaimer, VmSample
+from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, KiB, MiB
+from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
 
 DATA = Path(__file__).parent / "data" / "balance"
 
@@ -69,6 +76,16 @@ def controller(backend: FakeBackend, state: Path, **kw: object) -> Controller:
     )  # type: ignore[arg-type]
 
 
+def logged_controller(
+    backend: FakeBackend, state: Path, **kw: object
+) -> tuple[Controller, list[str]]:
+    """controller(), with the lines it logs."""
+    lines: list[str] = []
+    ctl = controller(backend, state, **kw)
+    ctl.log = lines.append
+    return ctl, lines
+
+
 def test_loop_shrinks_an_idle_guest_step_by_step_and_records_why(tmp_path: Path) -> None:
     backend = FakeBackend()
     ctl = controller(backend, tmp_path / "s.json")
@@ -103,9 +120,7 @@ def test_a_vm_an_operator_ballooned_is_left_there_until_handed_back(tmp_path: Pa
 
 def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     backend = FakeBackend()
-    lines: list[str] = []
-    ctl = controller(backend, tmp_path / "s.json", dry_run=True)
-    ctl.log = lines.append
+    ctl, lines = logged_controller(backend, tmp_path / "s.json", dry_run=True)
     ctl.run(cycles=4)
     assert backend.sent == []
     assert any("would set" in line for line in lines)
@@ -196,3 +211,121 @@ def test_trim_first_switches_the_reclaimer_on_once_and_status_shows_the_working_
     assert backend.sent == []
     text = "\n".join(format_status(load_status(tmp_path / "s.json")))
     assert "working set ~" in text and "guest reclaimer on: 5.00 MiB reclaimed" in text
+
+
+# -- virtio-mem ----------------------------------------------------------------
+
+BASE = 512 * MiB
+VMEM = 1 * GiB
+
+
+class FakeVirtioMemBackend(FakeBackend):
+    """A 512 MiB + 1 GiB virtio-mem guest that unplugs whatever is asked at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actual = {}
+        self.plugged = VMEM
+
+    def sample(self) -> list[VmSample]:
+        device = VirtioMem(BASE, self.plugged, self.plugged, 2 * MiB, VMEM)
+        actual = BASE + self.plugged
+        stats = GuestStats(age=0.5, total=actual, free=actual - 150 * MiB, available=actual)
+        return [
+            VmSample("v", BASE + VMEM, actual, stats, held=self.held.get("v"),
+                     levers=(Lever.BALLOON, Lever.VIRTIO_MEM), virtio_mem=device)
+        ]  # fmt: skip
+
+    def set_target(self, vm: str, target: int) -> None:
+        self.sent.append((vm, target))
+        self.plugged = VirtioMem(BASE, 0, 0, 2 * MiB, VMEM).requested_for(target)
+
+
+def test_loop_unplugs_an_idle_virtio_mem_guest_to_its_base_and_says_so(tmp_path: Path) -> None:
+    backend = FakeVirtioMemBackend()
+    ctl = controller(backend, tmp_path / "s.json")
+    ctl.run(cycles=20)
+    assert backend.plugged == 0 and backend.sent[-1] == ("v", BASE)
+    status = load_status(tmp_path / "s.json")["vms"]["v"]
+    assert status["lever"] == "virtio-mem" and status["virtio_mem"]["base"] == BASE
+    text = "\n".join(format_status(load_status(tmp_path / "s.json")))
+    assert "by virtio-mem (0 B plugged" in text
+
+
+def test_a_virtio_mem_vm_an_operator_resized_is_left_there(tmp_path: Path) -> None:
+    backend = FakeVirtioMemBackend()
+    backend.held["v"] = BASE + VMEM  # thinvm resize v 1.5G
+    ctl, lines = logged_controller(backend, tmp_path / "s.json", verbose=True)
+    ctl.run(cycles=6)
+    assert backend.sent == []
+    assert any("'thinvm resize v auto' hands it back" in line for line in lines)
+    del backend.held["v"]
+    ctl.run(cycles=6)
+    assert backend.sent and BASE + VMEM - backend.sent[0][1] <= 128 * MiB
+
+
+class FakeQemu:
+    """Just enough of a thinvm VM for ThinvmBackend: QMP replies and a record."""
+
+    def __init__(self, balloon_actual: int, plugged: int) -> None:
+        self.config = VMConfig(
+            name="q", memory=BASE, virtio_mem=VMEM, balloon=BalloonOptions(enabled=True)
+        )
+        self.balloon_actual, self.plugged = balloon_actual, plugged
+        self.operator_target: int | None = None
+        self.pid = 1
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.agent = self
+
+    def alive(self) -> bool:
+        return True
+
+    def host_memory(self) -> Any:
+        return type("HostMemory", (), {"rss": 100 * MiB, "anon_huge": 0})()
+
+    def request_json(self, *_args: object, **_kw: object) -> Any:
+        raise OSError("no agent here")
+
+    def qmp(self, command: str, **args: Any) -> Any:
+        if command in ("qom-set", "balloon"):
+            self.sent.append((command, args))
+            return {}
+        device = {"id": VIRTIO_MEM_ID, "size": self.plugged, "requested-size": self.plugged,
+                  "max-size": VMEM, "block-size": 2 * MiB}  # fmt: skip
+        replies = {
+            "query-balloon": {"actual": self.balloon_actual},
+            "query-memory-devices": [{"type": "virtio-mem", "data": device}],
+            "query-migrate": {},
+            "query-status": {"status": "running"},
+        }
+        if command == "qom-get":
+            return 1 if args["property"] == "guest-stats-polling-interval" else {}
+        return replies[command]
+
+
+def test_thinvm_backend_samples_virtio_mem_and_sets_its_requested_size() -> None:
+    qemu = FakeQemu(balloon_actual=BASE, plugged=VMEM)
+    backend = ThinvmBackend([qemu])
+    (sample,) = backend.sample()
+    assert sample.levers == (Lever.BALLOON, Lever.VIRTIO_MEM)
+    assert sample.lever is Lever.VIRTIO_MEM
+    assert sample.actual == BASE + VMEM and sample.max_memory == BASE + VMEM
+    assert sample.virtio_mem == VirtioMem(BASE, VMEM, VMEM, 2 * MiB, VMEM)
+    backend.set_target("q", BASE + 257 * MiB)  # not a whole block: rounded down
+    path = "/machine/peripheral/" + VIRTIO_MEM_ID
+    assert qemu.sent == [
+        ("qom-set", {"path": path, "property": "requested-size", "value": 256 * MiB})
+    ]
+
+
+def test_thinvm_backend_gives_back_a_balloon_left_inside_the_base() -> None:
+    qemu = FakeQemu(balloon_actual=300 * MiB, plugged=0)
+    backend = ThinvmBackend([qemu])
+    (sample,) = backend.sample()
+    assert sample.actual == 300 * MiB  # what the guest keeps
+    backend.set_target("q", BASE)
+    assert qemu.sent[-1] == ("balloon", {"value": BASE})
+    # Held by an operator: the size it has now is the size it is held at.
+    qemu.operator_target = 300 * MiB
+    (sample,) = backend.sample()
+    assert sample.held == 300 * MiB

@@ -14,7 +14,9 @@ from thinvm.balance.model import (
     Backing,
     GuestStats,
     HostSample,
+    Lever,
     Reclaimer,
+    VirtioMem,
     VmLimits,
     VmSample,
     VmState,
@@ -613,3 +615,165 @@ def test_a_stalling_guests_cache_is_not_trimmed() -> None:
     before = VmState(calm_cycles=10, last_used=924 * MiB, counters={"alloc_stalls": 1})
     plan = run(policy, [sample], host=PRESSED, states={"a": before})
     assert plan.decisions[0].trim is None and "alloc stalls +8" in plan.decisions[0].reason
+
+
+# -- thinvm: virtio-mem ------------------------------------------------------
+
+BASE = 512 * MiB
+VMEM = 1 * GiB
+
+
+def vmem_guest(
+    plugged: int = VMEM,
+    used: int = 150 * MiB,
+    block: int = 2 * MiB,
+    balloon_actual: int | None = BASE,
+    age: float = 1.0,
+    **kw: object,
+) -> VmSample:
+    """A 512 MiB + 1 GiB virtio-mem guest that uses `used` and has the rest free."""
+    device = VirtioMem(BASE, plugged, plugged, block, VMEM)
+    actual = (BASE if balloon_actual is None else balloon_actual) + plugged
+    st = GuestStats(age=age, total=actual, free=actual - used, available=actual - used)
+    levers = (Lever.VIRTIO_MEM,) if balloon_actual is None else (Lever.BALLOON, Lever.VIRTIO_MEM)
+    return VmSample(
+        "v", BASE + VMEM, actual, st if balloon_actual is not None else None,
+        levers=levers, virtio_mem=device, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def follow(policy: ThinvmPolicy, sample: VmSample, cycles: int, **kw: object) -> list[int]:
+    """Cycles of a guest that plugs and unplugs whatever the targets ask."""
+    states: dict[str, VmState] = {}
+    targets = []
+    for cycle in range(cycles):
+        plan = run(policy, [sample], states=states, cycle=cycle, **kw)  # type: ignore[arg-type]
+        states = plan.states
+        target = plan.decisions[0].target
+        if target is not None:
+            targets.append(target)
+            assert sample.virtio_mem is not None
+            plugged = sample.virtio_mem.requested_for(target)
+            used = sample.actual - sample.stats.free if sample.stats and sample.actual else 0
+            sample = vmem_guest(plugged=plugged, used=used, block=sample.virtio_mem.block_size)
+    return targets
+
+
+def test_virtio_mem_requested_size_is_whole_blocks_above_the_base_within_its_maximum() -> None:
+    device = VirtioMem(BASE, 0, 0, 2 * MiB, VMEM)
+    assert device.requested_for(BASE + 300 * MiB) == 300 * MiB
+    assert device.requested_for(BASE + 301 * MiB) == 300 * MiB  # rounded down
+    assert device.requested_for(256 * MiB) == 0  # never into the base memory
+    assert device.requested_for(4 * GiB) == VMEM
+    assert VirtioMem(BASE, 0, 0, 128 * MiB, VMEM).round(BASE + 300 * MiB) == BASE + 256 * MiB
+
+
+def test_virtio_mem_limits_keep_the_base_memory_and_whole_blocks() -> None:
+    sample = vmem_guest(block=128 * MiB)
+    assert sample.lever is Lever.VIRTIO_MEM
+    assert sample.fit(VmLimits(256 * MiB, 4 * GiB)) == VmLimits(BASE, BASE + VMEM)
+    # A floor above the base is rounded up to a whole block.
+    assert sample.fit(VmLimits(700 * MiB, BASE + VMEM)).floor == BASE + 256 * MiB
+    assert vm().fit(VmLimits(256 * MiB, GiB)) == VmLimits(256 * MiB, GiB)  # balloon: as given
+
+
+def test_idle_virtio_mem_guest_is_unplugged_step_by_step_down_to_its_base_only() -> None:
+    policy = ThinvmPolicy()
+    targets = follow(policy, vmem_guest(), 40, limits={"v": VmLimits(256 * MiB, BASE + VMEM)})
+    assert targets[-1] == BASE  # the floor is the base memory, not 256 MiB
+    steps = [a - b for a, b in zip([BASE + VMEM, *targets], targets, strict=False)]
+    assert all(0 < step <= policy.params.inflate_step for step in steps), steps
+    assert all((t - BASE) % (2 * MiB) == 0 for t in targets)
+
+
+def test_virtio_mem_blocks_larger_than_a_step_are_unplugged_one_block_at_a_time() -> None:
+    policy = ThinvmPolicy()
+    targets = follow(policy, vmem_guest(block=256 * MiB), 6)
+    assert targets[0] == BASE + VMEM - 256 * MiB
+
+
+def test_virtio_mem_guest_is_never_unplugged_on_stale_or_missing_stats() -> None:
+    plan, _ = settle(ThinvmPolicy(), vmem_guest(age=60.0), cycles=6)
+    assert plan.decisions[0].target is None and "60 s old" in plan.decisions[0].reason
+    # Without a balloon there are no statistics at all: left alone, not even plugged.
+    plan, _ = settle(ThinvmPolicy(), vmem_guest(plugged=0, balloon_actual=None), cycles=6)
+    assert plan.decisions[0].target is None and "left alone" in plan.decisions[0].reason
+
+
+def test_a_stalling_virtio_mem_guest_is_plugged_at_once_within_its_maximum() -> None:
+    policy = ThinvmPolicy()
+    sample = vmem_guest(plugged=0, used=500 * MiB)
+    sample = replace(sample, stats=replace(sample.stats, alloc_stalls=5))  # type: ignore[type-var]
+    state = VmState(
+        target=BASE, last_actual=BASE, last_used=500 * MiB, counters={"alloc_stalls": 1}
+    )
+    plan = run(policy, [sample], states={"v": state})
+    target = plan.decisions[0].target
+    # max(headroom, a quarter of 1.5 GiB) more, in one step
+    assert target == BASE + 384 * MiB and "deflate at once" in plan.decisions[0].reason
+    plan = run(policy, [vmem_guest(plugged=VMEM - 64 * MiB, used=1400 * MiB)],
+               states={"v": state.but(target=None)})  # fmt: skip
+    assert plan.decisions[0].target == BASE + VMEM  # not beyond what the device has
+
+
+def test_a_virtio_mem_guest_grows_only_with_memory_the_host_can_spare() -> None:
+    policy = ThinvmPolicy()
+    sample = vmem_guest(plugged=0, used=500 * MiB, block=128 * MiB)
+    state = VmState(target=BASE, last_actual=BASE, last_used=400 * MiB)
+    # The host has 64 MiB beyond its reserve: less than one 128 MiB block.
+    host = HostSample(total=4 * GiB, available=int(4 * GiB * 0.08) + 64 * MiB)
+    plan = run(policy, [sample], host=host, states={"v": state})
+    assert plan.decisions[0].target is None
+    assert "whole virtio-mem block" in plan.decisions[0].reason
+
+
+def test_migrating_virtio_mem_vm_is_left_alone() -> None:
+    plan, _ = settle(ThinvmPolicy(), vmem_guest(migrating=True), cycles=6)
+    assert plan.decisions[0].target is None and "migrating" in plan.decisions[0].reason
+
+
+def test_a_virtio_mem_driver_that_does_not_unplug_is_given_up() -> None:
+    policy = ThinvmPolicy()
+    sample = vmem_guest()
+    state = VmState(target=BASE + 896 * MiB, last_actual=sample.actual, last_used=150 * MiB)
+    states = {"v": state}
+    decisions = []
+    for cycle in range(10, 10 + policy.params.stuck_limit):
+        plan = run(policy, [sample], states=states, cycle=cycle)
+        states = plan.states
+        decisions.append(plan.decisions[0])
+    assert decisions[-1].target == BASE + VMEM  # cancelled: requested-size = size
+    assert "did not follow" in decisions[-1].reason
+    plan = run(policy, [sample], states=states, cycle=20)
+    assert plan.decisions[0].target is None and "asking again" in plan.decisions[0].reason
+
+
+def test_a_balloon_left_inflated_inside_the_base_is_given_back() -> None:
+    # 'thinvm balloon v 300M' earlier, handed back: below the base, the floor.
+    plan = run(ThinvmPolicy(), [vmem_guest(plugged=0, balloon_actual=300 * MiB)])
+    assert plan.decisions[0].target == BASE and "below its floor" in plan.decisions[0].reason
+
+
+def test_a_trimming_virtio_mem_guest_is_never_unplugged_even_when_the_host_is_critical() -> None:
+    """The trim-first rule holds for virtio-mem as for the balloon: reporting
+    has the guest's free memory already, so an unplug gains the host
+    nothing, and a regrow would wait for memory the host may not have."""
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=150 * MiB, last_actual=BASE + VMEM)
+    trimming = vmem_guest(reporting=True, reclaimer=RECLAIMER_ON)
+    for host in (CALM_HOST, PRESSED, CRITICAL):
+        plan = run(policy, [trimming], host=host, states={"v": calm})
+        assert plan.decisions[0].target is None, host
+    # Reporting alone leaves it whole while the host is calm ...
+    reporting = vmem_guest(reporting=True)
+    assert run(policy, [reporting], states={"v": calm}).decisions[0].target is None
+    # ... and under pressure virtio-mem takes a step of its free memory.
+    plan = run(policy, [reporting], host=PRESSED, states={"v": calm})
+    step = policy.params.inflate_step_pressure
+    assert plan.decisions[0].target == BASE + VMEM - step
+
+
+def test_shares_zero_leaves_a_virtio_mem_vm_alone() -> None:
+    limits = {"v": VmLimits(BASE, BASE + VMEM, shares=0)}
+    plan = run(ThinvmPolicy(), [vmem_guest()], limits=limits)
+    assert plan.decisions[0].target is None and "shares 0" in plan.decisions[0].reason

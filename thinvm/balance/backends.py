@@ -14,14 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from thinvm.balance.model import Backing, HostSample, Reclaimer, VmSample, parse_guest_stats
+from thinvm.balance.model import (
+    Backing,
+    HostSample,
+    Lever,
+    Reclaimer,
+    VirtioMem,
+    VmSample,
+    parse_guest_stats,
+)
 from thinvm.errors import GuestError, ThinvmError
 from thinvm.guest import trim
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
 from thinvm.units import KiB, format_size
-from thinvm.vm import balloon, registry
+from thinvm.vm import balloon, registry, resize
 from thinvm.vm.machine import VM
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
@@ -143,6 +151,31 @@ def _backing_of(config: Any, rss_thp: int) -> Backing:
     return Backing.THP if rss_thp > 0 else Backing.ANONYMOUS
 
 
+def _virtio_mem(vm: Any) -> VirtioMem | None:
+    """The VM's virtio-mem device (thinvm.vm.resize), or None without one."""
+    if not vm.config.virtio_mem:
+        return None
+    status = resize.virtio_mem_status(vm)
+    return VirtioMem(
+        base=vm.config.memory,
+        plugged=status.size,
+        requested=status.requested_size,
+        block_size=status.block_size,
+        max_size=status.max_size,
+    )
+
+
+def _set_virtio_mem(vm: Any, target: int) -> None:
+    """Make the guest keep `target` with virtio-mem: `requested-size` is the
+    part above the base memory, and a balloon, if any, gives back all of the
+    base memory (an operator may have inflated it earlier)."""
+    vmem = _virtio_mem(vm)
+    assert vmem is not None
+    resize.request_virtio_mem(vm, vmem.requested_for(target))
+    if vm.config.balloon.enabled and balloon.query(vm).actual < vmem.base:
+        balloon.set_target(vm, vmem.base)
+
+
 class ThinvmBackend:
     """VMs started by thinvm: detached ones (`thinvm up`) or VM objects given.
 
@@ -224,29 +257,46 @@ class ThinvmBackend:
     def _sample_one(self, vm: Any) -> VmSample:
         name, config = vm.config.name, vm.config
         mem = vm.host_memory()
-        if not config.balloon.enabled:
+        vmem = _virtio_mem(vm)
+        if not config.balloon.enabled and vmem is None:
             return VmSample(name, config.memory, None, host_rss=mem.rss)
-        actual = balloon.query(vm).actual
-        polling = "guest-stats-polling-interval"
-        if vm.qmp("qom-get", path=balloon.BALLOON_PATH, property=polling) < 1:
-            balloon.enable_stats(vm, STATS_POLL_SECONDS)
-        stats = parse_guest_stats(balloon.stats(vm), now=time.time())
+        levers: list[Lever] = []
+        stats = None
+        actual = config.memory
+        if config.balloon.enabled:
+            levers.append(Lever.BALLOON)
+            actual = balloon.query(vm).actual
+            polling = "guest-stats-polling-interval"
+            if vm.qmp("qom-get", path=balloon.BALLOON_PATH, property=polling) < 1:
+                balloon.enable_stats(vm, STATS_POLL_SECONDS)
+            stats = parse_guest_stats(balloon.stats(vm), now=time.time())
+        if vmem is not None:
+            levers.append(Lever.VIRTIO_MEM)
+            actual += vmem.plugged
         status = vm.qmp("query-migrate").get("status", "none")
         # A source that finished migrating waits in `postmigrate` for its
         # switchover: a target sent to it would be lost.
         runstate = vm.qmp("query-status")["status"]
         migrating = status in MIGRATING or runstate in MIGRATION_RUNSTATES
+        held = vm.operator_target
+        if held is not None and vmem is not None:
+            # 'thinvm resize' records a total, 'thinvm balloon' a balloon
+            # target: either way the VM stays where the operator put it, and
+            # the controller carries on from the size it has.
+            held = actual
         return VmSample(
             name=name,
-            max_memory=config.memory,
+            max_memory=config.max_memory,
             actual=actual,
             stats=stats,
             migrating=migrating,
             backing=_backing_of(config, mem.anon_huge),
             host_rss=mem.rss,
-            reporting=config.balloon.free_page_reporting,
-            held=vm.operator_target,
+            reporting=config.balloon.enabled and config.balloon.free_page_reporting,
+            held=held,
             reclaimer=self._reclaimer(vm),
+            levers=tuple(levers),
+            virtio_mem=vmem,
         )
 
     def _reclaimer(self, vm: Any) -> Reclaimer | None:
@@ -285,9 +335,12 @@ class ThinvmBackend:
                 # An operator got there between our sample and now.
                 raise HeldByOperator(
                     f"held at {format_size(machine.operator_target)} by an operator "
-                    "(thinvm balloon) since this cycle's sample"
+                    "(thinvm balloon or resize) since this cycle's sample"
                 )
-            balloon.set_target(machine, target)
+            if machine.config.virtio_mem:
+                _set_virtio_mem(machine, target)
+            else:
+                balloon.set_target(machine, target)
 
         self._with_vm(vm, send)
 

@@ -120,6 +120,8 @@ class Controller:
             vms[sample.name] = {
                 "actual": sample.actual,
                 "max_memory": sample.max_memory,
+                "lever": str(sample.lever) if sample.actual is not None else None,
+                "virtio_mem": asdict(sample.virtio_mem) if sample.virtio_mem else None,
                 "target": state.target,
                 "reason": decision.reason if decision else state.reason,
                 "acted": bool(decision and decision.acts),
@@ -187,9 +189,10 @@ class Controller:
         for sample in samples:
             if sample.held is None:
                 continue
+            command = "resize" if sample.virtio_mem is not None else "balloon"
             reason = (
-                f"held at {format_size(sample.held)} by an operator (thinvm balloon); "
-                f"'thinvm balloon {sample.name} auto' hands it back"
+                f"held at {format_size(sample.held)} by an operator (thinvm balloon or "
+                f"resize); 'thinvm {command} {sample.name} auto' hands it back"
             )
             state = self.states.get(sample.name, VmState()).but(
                 # Trends start afresh when the VM is handed back.
@@ -331,10 +334,20 @@ def format_status(data: dict[str, Any], now: float | None = None) -> list[str]:
         lines.append(
             f"  {name}: actual {format_size(actual) if actual is not None else '-'}, "
             f"target {format_size(target) if target is not None else 'never set'} "
-            f"of {format_size(vm.get('max_memory', 0))}: {vm.get('reason', '')}"
+            f"of {format_size(vm.get('max_memory', 0))}{_by_lever(vm)}: {vm.get('reason', '')}"
         )
         lines.append(f"    {_working_set_line(vm)}")
     return lines
+
+
+def _by_lever(vm: dict[str, Any]) -> str:
+    vmem = vm.get("virtio_mem")
+    if not vmem:
+        return ""
+    return (
+        f" by virtio-mem ({format_size(vmem['plugged'])} plugged, "
+        f"{format_size(vmem['requested'])} requested above {format_size(vmem['base'])} base)"
+    )
 
 
 def _working_set_line(vm: dict[str, Any]) -> str:

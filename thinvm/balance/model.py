@@ -1,9 +1,11 @@
 """What the balance controller sees and decides: plain data, no I/O.
 
-Sizes are bytes, times are seconds.  A balloon *target* (and `actual`) is
-the memory the guest keeps outside the balloon, as QMP's `balloon` command
-and `query-balloon` use it: a lower target inflates the balloon and
-shrinks the guest, a higher one deflates it and grows the guest.
+Sizes are bytes, times are seconds.  A *target* (and `actual`) is
+the memory the guest keeps, whatever the lever: outside the balloon, as
+QMP's `balloon` command and `query-balloon` use it, plus, on a VM with
+virtio-mem, what the device has plugged.  A lower target shrinks the
+guest, a higher one grows it; the backend turns it into a balloon target
+or a virtio-mem `requested-size`.
 """
 
 from dataclasses import asdict, dataclass, field, replace
@@ -104,13 +106,44 @@ class HostSample:
     psi_full_avg60: float | None = None
 
 
+class Lever(StrEnum):
+    """What a VM can be resized with (docs/resize.md)."""
+
+    BALLOON = "balloon"
+    VIRTIO_MEM = "virtio-mem"
+
+
+@dataclass(frozen=True)
+class VirtioMem:
+    """A VM's virtio-mem device as QEMU reports it, in bytes."""
+
+    base: int  # the memory the guest booted with: never unplugged
+    plugged: int  # the device's `size`: what the guest has plugged
+    requested: int  # the device's `requested-size`
+    block_size: int
+    max_size: int
+
+    def requested_for(self, target: int) -> int:
+        """`requested-size` for a guest that keeps `target` in all:
+        target - base, in whole blocks (rounded down), within [0, max]."""
+        wanted = max(0, target - self.base)
+        return min(self.max_size, wanted - wanted % self.block_size)
+
+    def round(self, target: int) -> int:
+        """The nearest total at or below `target` that virtio-mem can give
+        (never below the base memory)."""
+        return self.base + self.requested_for(target)
+
+
 @dataclass(frozen=True)
 class VmSample:
     """One VM as the backend saw it this cycle."""
 
     name: str
-    max_memory: int  # configured RAM: the balloon target's ceiling
-    actual: int | None  # None: no balloon device / no answer
+    max_memory: int  # the most the guest can keep: RAM, plus all of virtio-mem
+    # The memory the guest keeps: balloon `actual` (the base memory without
+    # a balloon) plus what virtio-mem has plugged.  None: no lever / no answer.
+    actual: int | None
     stats: GuestStats | None = None
     migrating: bool = False
     backing: Backing = Backing.ANONYMOUS
@@ -122,6 +155,33 @@ class VmSample:
     # The guest's reclaimer (docs/working-set.md): None if the backend
     # cannot reach it (no agent, an old agent, a libvirt domain).
     reclaimer: "Reclaimer | None" = None
+    # The levers the VM has; the controller drives virtio-mem where there is
+    # one (the balloon of such a VM then only reports statistics).
+    levers: tuple[Lever, ...] = (Lever.BALLOON,)
+    virtio_mem: VirtioMem | None = None
+
+    @property
+    def lever(self) -> Lever:
+        """The lever the controller drives on this VM."""
+        return Lever.VIRTIO_MEM if self.virtio_mem is not None else Lever.BALLOON
+
+    def round(self, target: int) -> int:
+        """`target` as the VM's lever can give it: whole virtio-mem blocks
+        above the base memory, or whole 2 MiB units of balloon."""
+        if self.virtio_mem is not None:
+            return self.virtio_mem.round(target)
+        return round_target(target)
+
+    def fit(self, limits: "VmLimits") -> "VmLimits":
+        """The operator's limits as this VM's lever can keep them: virtio-mem
+        never takes a guest below its base memory, and moves whole blocks."""
+        vmem = self.virtio_mem
+        if vmem is None:
+            return limits
+        ceiling = vmem.round(min(limits.ceiling, self.max_memory))
+        above = max(0, limits.floor - vmem.base)
+        floor = vmem.base + -(-above // vmem.block_size) * vmem.block_size
+        return replace(limits, floor=min(floor, ceiling), ceiling=ceiling)
 
 
 @dataclass(frozen=True)
@@ -194,7 +254,9 @@ class VmState:
 
 @dataclass(frozen=True)
 class Decision:
-    """Set `vm`'s balloon target to `target` (None: leave it), because `reason`."""
+    """Set `vm`'s target to `target` (None: leave it), because `reason`.
+
+    The target is the memory the guest keeps, for either lever."""
 
     vm: str
     target: int | None

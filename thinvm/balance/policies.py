@@ -22,11 +22,11 @@ from thinvm.balance.model import (
     Backing,
     Decision,
     HostSample,
+    Lever,
     Plan,
     VmLimits,
     VmSample,
     VmState,
-    round_target,
 )
 from thinvm.units import MiB, format_size
 
@@ -43,7 +43,8 @@ class Inputs:
     states: Mapping[str, VmState]
 
     def limits_of(self, vm: VmSample) -> VmLimits:
-        return self.limits.get(vm.name) or VmLimits.default_for(vm.max_memory)
+        """The VM's limits, as its lever can keep them (VmSample.fit)."""
+        return vm.fit(self.limits.get(vm.name) or VmLimits.default_for(vm.max_memory))
 
     def state_of(self, vm: VmSample) -> VmState:
         return self.states.get(vm.name) or VmState()
@@ -307,7 +308,7 @@ class ThinvmPolicy:
         # When the host is calm the guest keeps its page cache; under
         # pressure only its free memory plus what it can drop counts.
         spare = available if host.pressure else stats.free
-        desired = _clamp(vm.actual - (spare - headroom), limits)
+        desired = _clamp(vm.actual - (spare - headroom), limits, vm)
         kind = "available" if host.pressure else "free"
         reason = f"guest {kind} {_mib(spare)}, keeps {_mib(headroom)} headroom"
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
@@ -321,7 +322,10 @@ class ThinvmPolicy:
             # even when the host is critical: what is left is its working
             # set, and a guest that grows again while the host has nothing
             # to spare would OOM (5 to 17 guest OOM kills per overcommit
-            # trial run when this ballooned trimming guests).
+            # trial run when this ballooned trimming guests).  The same
+            # holds for virtio-mem: an unplug of its free memory gains the
+            # host nothing reporting has not, and its regrow waits for the
+            # host to spare memory just as a deflate does.
             current = state.target if state.target is not None else vm.actual
             give_back = min(limits.ceiling, max(desired, current + p.inflate_step))
             why = "host calm" if not host.pressure else "guest trims its cold memory"
@@ -394,7 +398,12 @@ class ThinvmPolicy:
                     name, None, f"{want.reason}; host cannot spare {_mib(ask)} ({host.why})"
                 )
                 continue
-            target = _clamp(_current_target(want) + grant, want.limits)
+            target = _clamp(_current_target(want) + grant, want.limits, want.vm)
+            if want.vm.virtio_mem is not None and target <= _current_target(want):
+                decisions[name] = Decision(
+                    name, None, f"{want.reason}; host cannot spare a whole virtio-mem block"
+                )
+                continue
             note = f"; {_mib(grant)} of {_mib(ask)} asked ({host.why})" if grant < ask else ""
             decisions[name] = Decision(name, target, f"grow: {want.reason}{note}")
             spare -= target - _current_target(want)
@@ -413,7 +422,7 @@ class ThinvmPolicy:
         if target is not None and abs(want.vm.actual - target) > p.tolerance:
             return Decision(name, None, f"hold: {_mib(target)} still in flight")
         step = p.inflate_step_pressure if host.pressure else p.inflate_step
-        new = _clamp(max(want.desired, current - step), want.limits)
+        new = _clamp(max(want.desired, current - step), want.limits, want.vm)
         if new >= current - p.dead_band:
             return Decision(name, None, f"hold at floor: {want.reason}")
         capped = " (step cap)" if new > want.desired else ""
@@ -425,7 +434,11 @@ def _unmanaged(vm: VmSample, limits: VmLimits) -> str:
     if limits.shares == 0:
         return "shares 0: not managed"
     if vm.actual is None:
-        return "no balloon device"
+        return "no balloon or virtio-mem device"
+    if Lever.BALLOON not in vm.levers:
+        # Statistics come from the balloon: without them the rules could
+        # never shrink the guest, only plug memory into it.
+        return "virtio-mem without a balloon: no guest statistics; left alone"
     if vm.migrating:
         return "migrating: left alone"
     if vm.backing is Backing.PINNED:
@@ -441,10 +454,12 @@ def _current_target(want: _Want) -> int:
     return want.state.target if want.state.target is not None else want.vm.actual
 
 
-def _clamp(size: int, limits: VmLimits) -> int:
+def _clamp(size: int, limits: VmLimits, vm: VmSample) -> int:
+    """Within the limits, in what the VM's lever moves: whole 2 MiB units of
+    balloon, or whole virtio-mem blocks above the base memory."""
     if size >= limits.ceiling:
         return limits.ceiling
-    return max(limits.floor, round_target(size))
+    return max(limits.floor, vm.round(size))
 
 
 # ---------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             if vm.config.balloon.enabled:
                 line += f", balloon actual {format_size(balloon.query(vm).actual)}"
             if vm.operator_target is not None:
-                line += f" (held at {format_size(vm.operator_target)}: thinvm balloon)"
+                command = "resize" if vm.config.virtio_mem else "balloon"
+                line += f" (held at {format_size(vm.operator_target)}: thinvm {command})"
             if vm.config.virtio_mem:
                 line += f", {resize.describe(vm)}"
             print(line)
@@ -177,12 +178,16 @@ def _resize_progress(line: ProgressLine) -> resize.Progress:
 
 def cmd_resize(args: argparse.Namespace) -> int:
     with registry.attached(args.name) as vm:
+        if args.size == "auto":
+            registry.set_operator_target(vm, None)
+            print(f"{args.name}: size left to the balance controller")
+            return 0
         plan = resize.plan_for(vm, parse_size(args.size))
         if plan.note:
             _warn(f"{args.name}: {plan.note}")
-        if plan.lever == "balloon":
-            # As 'thinvm balloon' does: a balance controller leaves it there.
-            registry.set_operator_target(vm, plan.target)
+        # As 'thinvm balloon' does: a balance controller leaves it there
+        # (recorded as the balloon target, or as the total with virtio-mem).
+        registry.set_operator_target(vm, plan.target if plan.lever == "balloon" else plan.size)
         before = vm.host_memory().rss
         line = ProgressLine(f"{args.name}: ")
         try:
@@ -297,7 +302,9 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     )
     p.add_argument("name")
     p.add_argument(
-        "size", help="the guest's total memory, e.g. 1G (virtio-mem: rounded to its blocks)"
+        "size",
+        help="the guest's total memory, e.g. 1G (virtio-mem: rounded to its blocks); a "
+        "balance controller then leaves the VM there until 'thinvm resize NAME auto'",
     )
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_resize)
