@@ -153,7 +153,7 @@ def test_migrate_working_set_trims_before_it_migrates(tmp_path: Path) -> None:
         assert not missing, f"{row} lacks {missing}"
     stock, dropped, thinvm = (summary[r] for r in ("stock-best", "stock-best-dropcaches", "thinvm"))
     assert stock["trim_ms"]["median"] == 0 and dropped["trim_ms"]["median"] > 0
-    assert thinvm["trim_reclaimed_bytes"]["median"] > 128 * MiB
+    assert thinvm["trim_reclaimed_bytes"]["median"] > 96 * MiB
     # The cold data set stays behind: thinvm sends less than stock-best.
     assert thinvm["transferred_bytes"]["median"] < stock["transferred_bytes"]["median"]
     # drop_caches threw the hot subset away too: it came from the disk again.
