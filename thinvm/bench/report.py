@@ -80,6 +80,21 @@ LABELS = {
     "dst_vcpu_cpu_s": "destination CPU: vCPUs",
     "dst_multifd_cpu_s": "destination CPU: multifd channels",
     "dst_other_cpu_s": "destination CPU: other threads (main loop)",
+    # migrate-working-set: the step before the migration (drop_caches or a
+    # trim) and the hot subset read again after arrival.
+    "trim_ms": "drop/trim before migrating",
+    "total_ms": "drop/trim + migration",
+    "hot_reread_ms": "hot subset re-read after arrival",
+    "hot_reread_disk_bytes": "of it read from disk again",
+    "hot_refault_pages": "hot refaults after arrival",
+    "cold_read_ms": "data set read once (source)",
+    "hot_read_src_ms": "hot subset read (source, warm)",
+    "cache_before_bytes": "guest page cache before drop/trim",
+    "cache_after_bytes": "guest page cache at migration",
+    "trim_returned_bytes": "host RSS given back by drop/trim",
+    "trim_reclaimed_bytes": "guest reclaimed (trim)",
+    "trim_guest_s": "guest trim time",
+    "trim_settle_s": "wait for reporting after drop/trim",
 }
 
 

@@ -237,6 +237,9 @@ def main(
     path = run(scenario, options, results_dir=results_dir, docs=docs, command=sys.argv)
     result = json.loads(path.read_text())
     print(report.render_table(result))
+    if result.get("targets"):
+        print("\nTargets:")
+        print("\n".join(report.render_target(t, result["summary"]) for t in result["targets"]))
     print(f"\nresults: {path}\nplot:    {path.with_suffix('.png')}")
     if docs is not None:
         print(f"docs:    {docs}")

@@ -91,11 +91,16 @@ def hold_disk_open(agent: AgentClient) -> None:
     agent.check("sleep 1000000 </dev/vda >/dev/null 2>&1 &")
 
 
+def read_disk_command(size: int, passes: int = 1, skip: int = 0) -> str:
+    """The guest shell command that reads `size` bytes of the scratch disk,
+    from `skip` on, `passes` times."""
+    return (
+        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
+        f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done"
+    )
+
+
 def read_disk(
     agent: AgentClient, size: int, passes: int = 1, skip: int = 0, timeout: float = 300.0
 ) -> None:
-    agent.check(
-        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
-        f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done",
-        timeout=timeout,
-    )
+    agent.check(read_disk_command(size, passes, skip), timeout=timeout)

@@ -1,7 +1,7 @@
 """What the scenarios share: the stacks they compare and guest-side steps."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -82,6 +82,32 @@ THINVM_CANDIDATES: list[Candidate] = [
 MIGRATION_CANDIDATES = STOCK_CANDIDATES + THINVM_CANDIDATES
 
 
+def chosen_row(
+    row: str,
+    candidates: Sequence[Candidate],
+    make: Callable[[Candidate], Callable[[RunContext], Metrics]],
+    description: str,
+    *,
+    rename: Callable[[str], str] = lambda name: name,
+    what: str = "",
+    reference: str | None = None,
+    row_reference: str | None = None,
+) -> tuple[list[Variant], Best]:
+    """Every candidate as a variant named `rename`(its name), and the row
+    `row` that carries the figures of the best of them.
+
+    `what` opens each description; `reference` is the row the candidates'
+    ratios are taken against and `row_reference` the chosen row's (default:
+    the baseline).
+    """
+    variants = [
+        Variant(rename(c.name), make(c), what + c.description, reference=reference)
+        for c in candidates
+    ]
+    best = Best(row, tuple(v.name for v in variants), what + description, row_reference)
+    return variants, best
+
+
 def migration_rows(
     make: Callable[[Candidate], Callable[[RunContext], Metrics]],
     *,
@@ -96,24 +122,30 @@ def migration_rows(
     and thinvm's ratios are taken against (default: the baseline), and
     stock-best's is always the baseline.
     """
-    variants = [
-        Variant(prefix + c.name, make(c), what + c.description, reference=reference)
-        for c in MIGRATION_CANDIDATES
-    ]
-    best = [
-        Best(
-            f"{prefix}stock-best",
-            tuple(prefix + c.name for c in STOCK_CANDIDATES),
-            f"{what}the best stock configuration measured",
-        ),
-        Best(
-            f"{prefix}thinvm",
-            tuple(prefix + c.name for c in THINVM_CANDIDATES),
-            f"{what}thinvm's best option measured",
-            reference=reference,
-        ),
-    ]
-    return variants, best
+
+    def rename(name: str) -> str:
+        return prefix + name
+
+    stock, stock_best = chosen_row(
+        f"{prefix}stock-best",
+        STOCK_CANDIDATES,
+        make,
+        "the best stock configuration measured",
+        rename=rename,
+        what=what,
+        reference=reference,
+    )
+    thinvm, thinvm_best = chosen_row(
+        f"{prefix}thinvm",
+        THINVM_CANDIDATES,
+        make,
+        "thinvm's best option measured",
+        rename=rename,
+        what=what,
+        reference=reference,
+        row_reference=reference,
+    )
+    return stock + thinvm, [stock_best, thinvm_best]
 
 
 # thinvm's QEMU side with the guest kernel's own balloon driver.
@@ -153,6 +185,19 @@ def hold_then_idle(
         settle(lambda: src.host_memory().rss, timeout=60)
     metrics["src_rss_bytes"] = src.host_memory().rss
     return metrics
+
+
+def timed_in_guest(vm: VM, command: str) -> float:
+    """Run `command` in the guest; the seconds it took by the guest's clock.
+
+    Timed inside, not around the agent round trip: the agent serves one
+    request at a time, and a controller's trim holding it for a moment is
+    not time the workload spent (getting memory, reading)."""
+    out = vm.agent.check(
+        f"read t0 _ </proc/uptime; {command} >/dev/null; read t1 _ </proc/uptime; echo $t0 $t1",
+        timeout=300,
+    ).stdout.split()
+    return float(out[-1]) - float(out[-2])
 
 
 def verify_pattern(dst: VM, ctx: RunContext, seed: int) -> None:

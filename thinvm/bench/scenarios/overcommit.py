@@ -32,6 +32,7 @@ from thinvm.balance.daemon import Controller
 from thinvm.balance.model import VmLimits
 from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
+from thinvm.bench.scenarios.common import timed_in_guest
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload as guest_workload
@@ -110,19 +111,6 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
         out.finished = True
     except ThinvmError as exc:
         out.error = str(exc)[:300]
-
-
-def timed_in_guest(vm: VM, command: str) -> float:
-    """Run `command` in the guest; the seconds it took by the guest's clock.
-
-    Timed inside, not around the agent round trip: the agent serves one
-    request at a time, and a controller's trim holding it for a moment is
-    not time the workload spent getting memory."""
-    out = vm.agent.check(
-        f"read t0 _ </proc/uptime; {command} >/dev/null; read t1 _ </proc/uptime; echo $t0 $t1",
-        timeout=300,
-    ).stdout.split()
-    return float(out[-1]) - float(out[-2])
 
 
 def guest_stall_us(vm: VM) -> int | None:
