@@ -294,13 +294,17 @@ class ThinvmBackend:
             host_rss=mem.rss,
             reporting=config.balloon.enabled and config.balloon.free_page_reporting,
             held=held,
-            reclaimer=self._reclaimer(vm),
+            reclaimer=self._reclaimer(vm) if config.balloon.free_page_reporting else None,
             levers=tuple(levers),
             virtio_mem=vmem,
         )
 
     def _reclaimer(self, vm: Any) -> Reclaimer | None:
-        """The guest reclaimer's counters, read at most every refresh period."""
+        """The guest reclaimer's counters, read at most every refresh period.
+
+        Asked of reporting guests only: without reporting, what the
+        reclaimer frees stays with the guest, so trim first never applies
+        and the agent is left alone."""
         name = vm.config.name
         read_at, known = self._reclaimers.get(name, (0.0, None))
         if time.monotonic() - read_at < RECLAIMER_REFRESH_SECONDS:
