@@ -3,6 +3,7 @@ a thin layer over thinvm.vm.registry."""
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim_cli
@@ -266,6 +267,26 @@ def cmd_exec(args: argparse.Namespace) -> int:
     return result.status
 
 
+def _add_sizing(
+    sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+    command: str,
+    func: Callable[[argparse.Namespace], int],
+    help_text: str,
+    size: str,
+) -> None:
+    """`thinvm COMMAND NAME SIZE|auto`: an operator's size, which a balance
+    controller then leaves alone until `thinvm COMMAND NAME auto`."""
+    p = sub.add_parser(command, help=help_text)
+    p.add_argument("name")
+    p.add_argument(
+        "size",
+        help=f"{size}; a balance controller then leaves the VM there until "
+        f"'thinvm {command} NAME auto'",
+    )
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=func)
+
+
 def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("up", help="start a VM in the background")
     p.add_argument("--name", default="thinvm")
@@ -283,31 +304,20 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("name", nargs="?")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser(
+    _add_sizing(
+        sub,
         "balloon",
-        help="set the balloon so the guest keeps SIZE ('auto': leave it to thinvm balance)",
+        cmd_balloon,
+        "set the balloon so the guest keeps SIZE ('auto': leave it to thinvm balance)",
+        "what the guest keeps, e.g. 1G",
     )
-    p.add_argument("name")
-    p.add_argument(
-        "size",
-        help="what the guest keeps, e.g. 1G; a balance controller then leaves the VM there "
-        "until 'thinvm balloon NAME auto'",
-    )
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=cmd_balloon)
-
-    p = sub.add_parser(
+    _add_sizing(
+        sub,
         "resize",
-        help="grow or shrink a VM to SIZE in total, by virtio-mem if it has it, else the balloon",
+        cmd_resize,
+        "grow or shrink a VM to SIZE in total, by virtio-mem if it has it, else the balloon",
+        "the guest's total memory, e.g. 1G (virtio-mem: rounded to its blocks)",
     )
-    p.add_argument("name")
-    p.add_argument(
-        "size",
-        help="the guest's total memory, e.g. 1G (virtio-mem: rounded to its blocks); a "
-        "balance controller then leaves the VM there until 'thinvm resize NAME auto'",
-    )
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=cmd_resize)
 
     p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
     p.add_argument("name")

@@ -126,12 +126,17 @@ def guest_stall_us(vm: VM) -> int | None:
     return None
 
 
-def host_swapins() -> int:
-    for line in Path("/proc/vmstat").read_text().splitlines():
+def vmstat_counter(text: str, name: str) -> int | None:
+    """One counter of a /proc/vmstat text; None if the kernel has none."""
+    for line in text.splitlines():
         key, _, value = line.partition(" ")
-        if key == "pswpin":
+        if key == name:
             return int(value)
-    return 0
+    return None
+
+
+def host_swapins() -> int:
+    return vmstat_counter(Path("/proc/vmstat").read_text(), "pswpin") or 0
 
 
 def guest_oom_kills(vm: VM) -> int | None:
@@ -139,11 +144,7 @@ def guest_oom_kills(vm: VM) -> int | None:
         text = vm.agent.check("cat /proc/vmstat", timeout=30).stdout
     except ThinvmError:
         return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
-            return int(value)
-    return None
+    return vmstat_counter(text, "oom_kill")
 
 
 def swap_used() -> int:
