@@ -219,17 +219,19 @@ class ThinvmPolicy:
             return 0
         if _unmanaged(want.vm, want.limits):
             return 0
-        stats = want.vm.stats
-        if stats is None or stats.caches is None:
-            return 0
-        cold = stats.caches - self._cache_floor(want.vm)
+        cold = self._cold_cache(want.vm)
         if cold < self.params.trim_min:
             return 0
         return min(cold, self.params.trim_step)
 
-    def _cache_floor(self, vm: VmSample) -> int:
-        total = (vm.stats.total if vm.stats else None) or vm.max_memory
-        return max(self.params.cache_floor_min, int(total * self.params.cache_floor_fraction))
+    def _cold_cache(self, vm: VmSample) -> int:
+        """Page cache above the reclaimer's floor: what a trim could take."""
+        stats = vm.stats
+        if stats is None or not stats.caches:
+            return 0
+        total = stats.total or vm.max_memory
+        floor = max(self.params.cache_floor_min, int(total * self.params.cache_floor_fraction))
+        return max(0, stats.caches - floor)
 
     def working_set(self, vm: VmSample) -> int | None:
         """What the guest would keep after trimming: used memory minus the
@@ -240,9 +242,7 @@ class ThinvmPolicy:
         stats = vm.stats
         if vm.actual is None or stats is None or stats.free is None:
             return None
-        used = vm.actual - stats.free
-        cold = max(0, (stats.caches or 0) - self._cache_floor(vm))
-        return max(0, used - cold)
+        return max(0, vm.actual - stats.free - self._cold_cache(vm))
 
     # -- per VM ------------------------------------------------------------
     def _want(self, inputs: Inputs, vm: VmSample, host: _HostView) -> _Want:
