@@ -54,6 +54,7 @@
 #define BG_BACKOFF_MIN_MS	5000
 #define BG_BACKOFF_MAX_MS	60000
 #define BG_COMPACT_EVERY	(64 * MiB)
+#define BG_FLOOR_HOLD_MS	60000	/* then the working set is read afresh */
 
 /* On demand the host is waiting: larger steps, a 50% duty cycle. */
 #define TRIM_STEP_DIV		32
@@ -307,9 +308,27 @@ static uint64_t floor_bytes(const struct meminfo *m)
 	return floor;
 }
 
-static uint64_t room(const struct meminfo *m)
+/*
+ * The floor a reclaim run keeps to: the highest seen since it started.
+ * Reclaiming deactivates part of the active file list (the classic LRU
+ * refills a short inactive list from it, and any refault makes it do
+ * so), which lowers Active(file) and with it floor_bytes(): a floor
+ * read afresh before every step follows the kernel down into the hot
+ * set it is there to protect (seen on 6.1: a trim of a guest that had
+ * read a large data set once took half of its hot subset).
+ */
+static uint64_t held_floor(uint64_t *held, const struct meminfo *m)
 {
 	uint64_t floor = floor_bytes(m);
+
+	if (floor > *held)
+		*held = floor;
+	return *held;
+}
+
+static uint64_t room(uint64_t *held, const struct meminfo *m)
+{
+	uint64_t floor = held_floor(held, m);
 
 	return m->file_lru > floor ? m->file_lru - floor : 0;
 }
@@ -442,6 +461,8 @@ struct bg_state {
 	struct sample prev, quiet;
 	long long backoff_ms;
 	uint64_t since_compact;
+	uint64_t floor;		/* held floor, see held_floor() */
+	long long floor_us;	/* when it was last read afresh */
 };
 
 /* One background tick with rc.lock held; returns how long to wait. */
@@ -458,6 +479,8 @@ static long long background_tick(struct bg_state *st)
 		st->quiet = st->prev;
 		st->epoch = rc.epoch;
 		st->fresh = false;
+		st->floor = 0;
+		st->floor_us = st->prev.t_us;
 		return BG_TICK_MS;
 	}
 	take_sample(&now, true);
@@ -472,7 +495,12 @@ static long long background_tick(struct bg_state *st)
 	}
 	st->backoff_ms = 0;
 	st->prev = now;
-	if (read_meminfo(&m) || room(&m) < STEP_MIN) {
+	if (now.t_us - st->floor_us > BG_FLOOR_HOLD_MS * 1000LL) {
+		/* A hot set may also cool down: do not hold it for ever. */
+		st->floor = 0;
+		st->floor_us = now.t_us;
+	}
+	if (read_meminfo(&m) || room(&st->floor, &m) < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
 		take_sample(&st->quiet, true);
@@ -482,8 +510,8 @@ static long long background_tick(struct bg_state *st)
 	step = m.total / BG_STEP_DIV;
 	if (step < STEP_MIN)
 		step = STEP_MIN;
-	if (step > room(&m))
-		step = room(&m);
+	if (step > room(&st->floor, &m))
+		step = room(&st->floor, &m);
 	cpu = thread_cpu_us();
 	got = reclaim_bytes(step);
 	st->since_compact += got;
@@ -602,6 +630,7 @@ struct trim {
 	uint64_t steps;
 	uint64_t backoffs;
 	uint64_t refaults_before;
+	uint64_t floor;		/* held floor, see held_floor() */
 	const char *stop;
 };
 
@@ -641,7 +670,7 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 			t->stop = "max_bytes";
 			return;
 		}
-		if (read_meminfo(&m) || room(&m) < STEP_MIN) {
+		if (read_meminfo(&m) || room(&t->floor, &m) < STEP_MIN) {
 			t->stop = "floor";
 			return;
 		}
@@ -661,7 +690,9 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 			continue;
 		}
 		in_row = 0;
-		step = room(&m) < step_max ? room(&m) : step_max;
+		step = room(&t->floor, &m);
+		if (step > step_max)
+			step = step_max;
 		if (t->max_bytes && step > t->max_bytes - t->reclaimed)
 			step = t->max_bytes - t->reclaimed;
 		cpu = thread_cpu_us();
@@ -724,7 +755,7 @@ int reclaim_trim(uint64_t max_bytes, unsigned int timeout_ms, char *out,
 		end.refaults > t.refaults_before ?
 			end.refaults - t.refaults_before : 0,
 		compacted ? "true" : "false", t.stop,
-		(mono_us() - start) / 1000, floor_bytes(&after),
+		(mono_us() - start) / 1000, held_floor(&t.floor, &after),
 		before.cached, after.cached, before.free, after.free);
 	if (n > 0 && (size_t)n < size)
 		n += status_members(out + n, size - n);

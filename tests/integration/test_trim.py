@@ -34,7 +34,7 @@ from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 pytestmark = pytest.mark.guest
 
 DISK = 640 * MiB  # read once: cold
-HOT = 64 * MiB  # read again and again: the working set
+HOT = 128 * MiB  # read again and again: the working set, above the floor's 64 MiB minimum
 COLD_AGAIN = 192 * MiB  # read once more, for the background reclaimer
 PATTERN = 32 * MiB  # anonymous data that must arrive intact
 SEED = 2020
