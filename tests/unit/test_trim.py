@@ -111,6 +111,23 @@ def test_wait_settled_stops_once_rss_is_quiet() -> None:
     assert rss == 599 << 20 and seconds < 5
 
 
+def test_wait_settled_stops_once_rss_fell_by_enough_without_waiting_for_quiet() -> None:
+    # Falls 100 MiB per poll for ever: only `enough` can end the wait early.
+    values = iter(range(4000 << 20, 0, -(100 << 20)))
+    rss, seconds = trim.wait_settled(
+        lambda: next(values), timeout=30, quiet=10, poll=0.01, enough=300 << 20
+    )
+    assert rss == 3700 << 20 and seconds < 5
+
+
+def test_expected_return_is_most_of_what_the_guest_freed() -> None:
+    reply = {"free_before": 100 << 20, "free_after": 1100 << 20}
+    assert trim.expected_return(reply) == int(0.9 * (1000 << 20))
+    # Unknown (an older agent) or nothing freed: wait for quiet instead.
+    assert trim.expected_return({}) == 0
+    assert trim.expected_return({"free_before": 5 << 20, "free_after": 4 << 20}) == 0
+
+
 def test_describe_untrimmed_is_one_line() -> None:
     result = trim.TrimResult(False, "the guest agent did not answer within 10 s", 5, 5, 0.0)
     assert result.describe("vm1") == "vm1: not trimmed: the guest agent did not answer within 10 s"
