@@ -13,7 +13,7 @@ from thinvm.progress import ProgressLine
 from thinvm.qemu import builds
 from thinvm.units import format_size, parse_size
 from thinvm.vm import balloon, migrate, registry, resize
-from thinvm.vm.machine import BalloonOptions, VMConfig
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 EXEC_DESCRIPTION = """\
 Run a command in the guest and exit with its status.
@@ -141,12 +141,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             if vm.config.balloon.enabled:
                 line += f", balloon actual {format_size(balloon.query(vm).actual)}"
             if vm.operator_target is not None:
-                command = "resize" if vm.config.virtio_mem else "balloon"
-                line += f" (held at {format_size(vm.operator_target)}: thinvm {command})"
+                line += _held_note(vm)
             if vm.config.virtio_mem:
                 line += f", {resize.describe(vm)}"
             print(line)
     return 0
+
+
+def _held_note(vm: VM) -> str:
+    """What an operator's hold means, for the status line.
+
+    Without virtio-mem both `thinvm balloon` and `thinvm resize` record a
+    balloon target.  With it, `resize` records the total size and `balloon`
+    a balloon target, and the state does not say which: name neither size,
+    only that the VM stays where it is and how to release it.
+    """
+    name = vm.config.name
+    if vm.config.virtio_mem:
+        return f" (held by an operator; 'thinvm resize {name} auto' releases it)"
+    target = format_size(vm.operator_target or 0)
+    return f" (held at {target}; 'thinvm balloon {name} auto' releases it)"
 
 
 def cmd_balloon(args: argparse.Namespace) -> int:
