@@ -45,6 +45,7 @@ static const char * const tb_counter_names[TB_NR_COUNTERS] = {
 	[TB_SMALL_BLOCKS] = "small_blocks",
 	[TB_WHOLE_BLOCKS_HELD] = "whole_blocks_held",
 	[TB_WHOLE_BLOCKS_SPLIT] = "whole_blocks_split",
+	[TB_DEFLATED_BLOCKS] = "deflated_blocks",
 };
 
 static struct dentry *tb_debugfs_dir;
@@ -138,3 +139,5 @@ TB_COUNTER_PARAM(whole_blocks_held, TB_WHOLE_BLOCKS_HELD,
 		 "blocks of at least pageblock_order held whole (unmovable) now");
 TB_COUNTER_PARAM(whole_blocks_split, TB_WHOLE_BLOCKS_SPLIT,
 		 "whole blocks split into single balloon pages to deflate part of one");
+TB_COUNTER_PARAM(deflated_blocks, TB_DEFLATED_BLOCKS,
+		 "pageblocks deflated and freed whole, not page by page (range mode)");

@@ -172,13 +172,36 @@ def test_module_builds_for_both_kernels() -> None:
         assert proc.stdout.strip().splitlines()[-1].endswith("thinvm_balloon.ko")
 
 
-def test_612_guest_boots_with_our_driver(make_vm: VMFactory) -> None:
-    config = VMConfig(name="drv-612", memory=1 * GiB, kernel="6.12", guest_driver="thinvm")
+def assert_no_bad_pages(agent: AgentClient) -> None:
+    """The page allocator found nothing wrong with the pages the balloon gave back."""
+    dmesg = agent.check("dmesg").stdout
+    assert "Bad page" not in dmesg, dmesg[-3000:]  # bad_page(): "BUG: Bad page state"
+
+
+def test_612_guest_inflates_and_deflates_by_ranges(make_vm: VMFactory) -> None:
+    """6.12 with our driver and page ranges in the default (movable) mode.
+
+    init_on_free=1 turns on the allocator's checks of every page it is given back, tail
+    pages of high-order frees included (6.12 skips them otherwise): deflating hands whole
+    pageblocks back as one block (`deflated_blocks`), and every page of it must be clean.
+    """
+    config = ours("drv-612", 1 * GiB, ranges=True)
+    config.kernel = "6.12"
+    config.build = "patched"
+    config.append = "init_on_free=1"
     vm = make_vm(config)
     assert vm.agent.check("uname -r").stdout.startswith("6.12")
-    balloon.set_target(vm, 768 * MiB)
-    balloon.wait_actual(vm, 768 * MiB)
-    assert counters(vm.agent)["inflated_pages"] == 256 * MiB // PAGE
+    balloon.set_target(vm, 512 * MiB)
+    balloon.wait_actual(vm, 512 * MiB)
+    c = counters(vm.agent)
+    assert c["inflated_pages"] == 512 * MiB // PAGE
+    assert c["whole_blocks_held"] == 0
+    balloon.set_target(vm, 1 * GiB)
+    balloon.wait_actual(vm, 1 * GiB)
+    c = counters(vm.agent)
+    assert c["inflated_pages"] == 0
+    assert c["deflated_blocks"] >= c["huge_blocks"] * 9 // 10 > 0, c
+    assert_no_bad_pages(vm.agent)
 
 
 def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None:
@@ -202,8 +225,12 @@ def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None
 
     balloon.set_target(vm, memory)
     balloon.wait_actual(vm, memory)
-    assert counters(vm.agent)["inflated_pages"] == 0
+    c = counters(vm.agent)
+    assert c["inflated_pages"] == 0
+    # Split blocks came back whole: one free per 2 MiB, not 512.
+    assert c["deflated_blocks"] >= c["huge_blocks"] * 9 // 10, c
     assert workload.meminfo(vm.agent)["MemTotal"] >= memory - 256 * MiB
+    assert_no_bad_pages(vm.agent)
 
 
 HUGE_2M = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
@@ -271,7 +298,10 @@ def test_ranges_balloon_blocks_stay_movable(make_vm: VMFactory) -> None:
 
     balloon.set_target(vm, 3 * GiB)
     balloon.wait_actual(vm, 3 * GiB)
-    assert counters(vm.agent)["inflated_pages"] == 0
+    c = counters(vm.agent)
+    assert c["inflated_pages"] == 0
+    assert c["deflated_blocks"] > 0  # freed whole, still movable while held
+    assert_no_bad_pages(vm.agent)
     huge_after = hugepages_granted(vm.agent, 100_000)
     # A few pageblocks may be in use by the agent's own work meanwhile.
     assert huge_after >= huge_before - 8, (huge_before, huge_after)

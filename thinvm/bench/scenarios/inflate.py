@@ -13,7 +13,7 @@ from thinvm.bench.scenarios.common import (
 from thinvm.bench.scenarios.params import (
     float_param,
 )
-from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB, format_size
 from thinvm.vm import balloon
@@ -25,7 +25,7 @@ DRIVER_PARAMS = "/sys/module/thinvm_balloon/parameters"
 
 def driver_requests(vm: VM) -> Metrics:
     """Virtqueue round trips our guest driver made (its own counters)."""
-    names = ("inflate_requests", "deflate_requests", "range_requests")
+    names = ("inflate_requests", "deflate_requests", "range_requests", "deflated_blocks")
     out = vm.agent.run(f"cd {DRIVER_PARAMS} && grep -H . " + " ".join(names)).stdout
     metrics: Metrics = {}
     for line in out.splitlines():
@@ -121,6 +121,16 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
         ],
         main_metric="inflate_s",
         second_metric="thp_inflated_bytes",
+        targets=[
+            Target(
+                "issue 22: the range balloon in its default (movable) mode deflates at least "
+                "10x faster than the stock balloon",
+                "touched-ranges",
+                "touched",
+                "deflate_s",
+                at_most=0.1,
+            ),
+        ],
         params={
             "size": format_size(size),
             "fraction": fraction,
