@@ -47,8 +47,19 @@ if [ -n "$cc" ] && ! command -v "$cc" >/dev/null; then
 	exit 1
 fi
 
+# Kbuild rebuilds by mtime, and sources copied from another checkout can
+# be older than the objects built from the previous copy (a header change
+# then left main.o built against the old one).  So the objects are kept
+# only while the sources they were built from, by content, are the same.
 mkdir -p "$build"
-cp -p "$here"/Makefile "$here"/*.c "$here"/*.h "$build"/
+sources=("$here"/Makefile "$here"/*.c "$here"/*.h)
+stamp=$build/.sources
+hash=$(cat "${sources[@]}" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$hash" ]; then
+	rm -rf "$build"
+	mkdir -p "$build"
+	cp "${sources[@]}" "$build"/
+fi
 
 args=(-C "$kdir" M="$build" -j2 modules)
 # BTF for modules needs the vmlinux the headers were built with, and
@@ -75,5 +86,6 @@ if grep -q 'warning:' "$log"; then
 	[ "$werror" = 1 ] && exit 1
 fi
 
+echo "$hash" >"$stamp"
 cp "$build/thinvm_balloon.ko" "$out/thinvm_balloon.ko"
 echo "$out/thinvm_balloon.ko"
