@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from thinvm.bench.scenarios.common import settle, touch_most
+from thinvm.bench.scenarios.common import TOUCH_LEAVE, settle, touch_most
 from thinvm.bench.scenarios.params import float_param, size_param
 from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transport
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
@@ -35,9 +35,14 @@ from thinvm.vm.stack import Stack
 # x86-64 Linux keeps one 64-byte struct page per 4 KiB page of online memory.
 STRUCT_PAGE_BYTES = 64
 PAGE_BYTES = 4096
-# What the guest keeps free when it allocates after the grow: its
-# watermarks and the agent (the same margin the other scenarios leave).
-ALLOC_LEAVE = 128 * MiB
+
+
+def guest_leave(size: int) -> int:
+    """Free memory a guest of `size` keeps when it touches or allocates "all"
+    of it: its watermarks and the agent, which grow with its RAM (an 8 GiB
+    guest left 96 MiB was OOM-killed; the inflate scenario's rule)."""
+    return max(TOUCH_LEAVE, size // 32)
+
 
 STOCK_REPORTING = Stack(reporting=True, multifd=True)
 THINVM_RANGES = Stack(
@@ -156,7 +161,7 @@ def make_resize(opts: BenchOptions, params: dict[str, str], size: int) -> Scenar
                     ctx.step("guest plugs its virtio-mem memory")
                     metrics["plug_s"] = resize.wait_plugged(src, size - small, timeout=timeout)
                 ctx.step("guest touches and frees most of its memory")
-                metrics.update(touch_most(src))
+                metrics.update(touch_most(src, leave=guest_leave(size)))
                 ctx.step("waiting for free page reporting to settle")
                 metrics["rss_before_bytes"], _ = settle(lambda: src.host_memory().rss, 60)
                 metrics["memmap_full_bytes"] = guest_memmap_bytes(src)
@@ -181,10 +186,10 @@ def make_resize(opts: BenchOptions, params: dict[str, str], size: int) -> Scenar
         title="shrink, migrate and grow: stock balloon, range balloon, virtio-mem",
         description=(
             f"A {format_size(size)} guest touches and frees all but its last "
-            f"{format_size(96 * MiB)} of free memory, free page reporting settles, and it "
+            f"{format_size(guest_leave(size))} of free memory, free page reporting settles, and it "
             f"is shrunk to {format_size(small)}, idles {idle:g} s, live-migrates "
             f"({transport.kind}) while small, and on the destination is grown back to "
-            f"{format_size(size)} and allocates all but {format_size(ALLOC_LEAVE)} of what "
+            f"{format_size(size)} and allocates all but {format_size(guest_leave(size))} of what "
             "is then free. The balloon variants have all the memory as RAM and a balloon; "
             f"the virtio-mem variants a {format_size(small)} base plus a virtio-mem device "
             f"for the rest, fully plugged at start (`memhp_default_state=online_movable`). "
@@ -217,7 +222,7 @@ def grow_and_allocate(dst: VM, lever: Lever, size: int, small: int, timeout: flo
     start = time.monotonic()
     grow_s = grow(dst, lever, size, small, timeout)
     free = dst.agent.check("grep MemFree /proc/meminfo").stdout.split()[1]
-    want = max(0, int(free) * 1024 - ALLOC_LEAVE)
+    want = max(0, int(free) * 1024 - guest_leave(size))
     touched: dict[str, Any] = dst.agent.check(f"thinvm-mem touch {want // MiB}", timeout=600).json()
     ready = time.monotonic() - start
     after = dst.host_memory()
