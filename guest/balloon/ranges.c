@@ -31,11 +31,10 @@
  *  - With the keep_whole_blocks module parameter, blocks of
  *    pageblock_order and above (2 MiB and 4 MiB on x86-64) are instead
  *    kept whole on a list of their own, and NOT movable.  That is
- *    faster (per-page bookkeeping costs a struct page update per 4 KiB
- *    on inflate and a dequeue per 4 KiB on deflate: under TCG, with
- *    init_on_alloc=0, a few times 0.05 s for 3.5 GiB each way; before
- *    deflate freed split blocks whole, it took 2.4-3.0 s, like the
- *    frame number protocol), but
+ *    faster, since per-page bookkeeping costs a struct page update per
+ *    4 KiB each way (3.5 GiB under TCG with init_on_alloc=0: 0.21 s to
+ *    inflate and 0.15 s to deflate split blocks, 0.05-0.08 s each way
+ *    whole; the frame number protocol takes 2.5-3 s), but
  *    such blocks block gigantic page allocation, offlining and
  *    virtio-mem unplug of their memory while they are held, and leave
  *    their pageblocks typed unmovable after deflate.  Balloon compaction
