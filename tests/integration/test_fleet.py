@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import thinvm_cli
+from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest.agent import AgentClient
-from thinvm.units import MiB
+from thinvm.units import KiB, MiB
 
 pytestmark = [
     pytest.mark.guest,
@@ -204,7 +205,30 @@ def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
         request("512M")
         wait_for(lambda: mem_total(h1) >= base + 500 * MiB, "MemTotal to grow by 512 MiB")
         in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 12")
-        request("128M")
+        # An operator's balloon inside the base memory (setmem takes the
+        # balloon's size alone; libvirt reports it plus what is plugged).
+        virsh(h1, "setmem", name, str(400 * MiB // KiB), "--live")
+        wait_for(lambda: balloon_current(h1, name) == 912 * MiB, "the balloon at 400 MiB")
+        # The balance controller's libvirt backend sees the device and
+        # shrinks the guest through it, giving the base memory back.
+        backend = LibvirtBackend(h1.uri, names=[name])
+        (seen,) = backend.sample()
+        vmem = seen.virtio_mem
+        assert vmem is not None and vmem.plugged == 512 * MiB, seen
+        assert seen.actual == 912 * MiB and vmem.base == MEMORY, seen
+        backend.set_target(name, vmem.base + 128 * MiB)
+
+        def plugged() -> int:
+            (after,) = backend.sample()
+            assert after.virtio_mem is not None, after
+            return after.virtio_mem.plugged
+
+        wait_for(lambda: plugged() == 128 * MiB, "libvirt to see 128 MiB plugged")
+        # The balloon gave the base back; libvirt adds what is plugged.
+        wait_for(
+            lambda: balloon_current(h1, name) == vmem.base + 128 * MiB,
+            "the balloon at the base",
+        )
         wait_for(lambda: mem_total(h1) <= base + 140 * MiB, "MemTotal to shrink to +128 MiB")
         shrunk = mem_total(h1)
 
@@ -334,6 +358,13 @@ def test_ranges_on_the_stock_emulator_is_a_clear_error(
     finally:
         remove(h, "bad")
         assert domain_xml(spec)  # still a valid document, only the emulator is wrong
+
+
+def balloon_current(h: Host, name: str) -> int:
+    """libvirt's balloon.current (for a virtio-mem domain: the balloon's
+    size plus what is plugged), in bytes; what the controller reads."""
+    (dom,) = parse_domstats(virsh(h, "domstats", "--balloon", name))
+    return dom.values["balloon.current"] * KiB
 
 
 def memstat(h: Host, name: str) -> dict[str, int]:

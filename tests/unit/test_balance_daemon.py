@@ -4,11 +4,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from thinvm.balance.backends import (
     ThinvmBackend,
     domain_sample,
     migrating_from_jobinfo,
     parse_domstats,
+    parse_virtio_mem,
 )
 from thinvm.balance.daemon import Controller, format_status, load_status
 from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
@@ -168,6 +171,31 @@ def test_parse_domstats() -> None:
     assert web.host_rss == 950312 * KiB
     bare = domain_sample(domains[1], now=0)
     assert bare.stats is None and bare.actual == 2 * GiB
+
+
+def test_virtio_mem_domain_sample() -> None:
+    xml = (DATA / "domain-virtio-mem.xml").read_text()
+    vmem = parse_virtio_mem(xml)
+    assert vmem is not None and vmem.alias == "ua-vmem0"
+    device = vmem.device
+    assert device.base == 512 * MiB and device.max_size == 512 * MiB
+    assert device.plugged == 132 * MiB and device.requested == 128 * MiB
+    assert device.block_size == 2 * MiB
+    # libvirt counts plugged memory in the balloon's current size.
+    assert vmem.balloon == 512 * MiB
+    ballooned = parse_virtio_mem(xml.replace(">659456<", ">540672<"))
+    assert ballooned is not None and ballooned.balloon == 396 * MiB
+    (dom,) = parse_domstats("Domain: 'vmem'\n  balloon.current=659456\n  balloon.maximum=1048576\n")
+    sample = domain_sample(dom, now=0, virtio_mem=device)
+    assert sample.actual == 644 * MiB and sample.max_memory == GiB
+    assert sample.lever == Lever.VIRTIO_MEM and Lever.VIRTIO_MEM in sample.levers
+    # Without <numa> cells, the base is <memory> less the devices' sizes.
+    no_cells = xml.replace("<cell id='0' cpus='0' memory='524288' unit='KiB'/>", "")
+    assert (vmem_again := parse_virtio_mem(no_cells)) and vmem_again.device.base == 512 * MiB
+    plain = xml.split("<memory model=")[0] + "</devices></domain>"
+    assert parse_virtio_mem(plain) is None
+    with pytest.raises(ThinvmError, match="without an alias"):
+        parse_virtio_mem(xml.replace("<alias name='ua-vmem0'/>", ""))
 
 
 def test_migrating_from_jobinfo() -> None:

@@ -9,6 +9,7 @@ import contextlib
 import subprocess
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from thinvm.guest import trim
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
-from thinvm.units import KiB, format_size
+from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm import balloon, registry, resize
 from thinvm.vm.machine import VM
 
@@ -434,21 +435,103 @@ _LIBVIRT_TO_QMP = {
 _COUNTS = {"balloon.major_fault": "stat-major-faults"}
 
 
-def domain_sample(dom: DomainStats, now: float, migrating: bool = False) -> VmSample:
-    """A VmSample from libvirt's balloon statistics of one domain."""
+# libvirt's scaled units (formatdomain: "unit"), KiB when absent.
+_LIBVIRT_UNITS = {
+    "b": 1, "bytes": 1,
+    "k": KiB, "KiB": KiB, "KB": 1000,
+    "M": MiB, "MiB": MiB, "MB": 1000**2,
+    "G": GiB, "GiB": GiB, "GB": 1000**3,
+}  # fmt: skip
+
+
+def _libvirt_size(elem: ET.Element | None, attr: str | None = None) -> int:
+    """A size element (or attribute `attr` of one) of libvirt XML, in bytes."""
+    if elem is None:
+        return 0
+    text = elem.get(attr) if attr else elem.text
+    unit = elem.get("unit", "KiB")
+    if text is None or unit not in _LIBVIRT_UNITS:
+        raise ThinvmError(f"libvirt XML: cannot read a size from <{elem.tag}> ({text!r} {unit})")
+    return int(text) * _LIBVIRT_UNITS[unit]
+
+
+@dataclass(frozen=True)
+class DomainVirtioMem:
+    """A domain's virtio-mem device: its alias (for update-memory-device)
+    and its sizes, as the live domain XML has them; `balloon` is what the
+    balloon leaves the guest of its base memory."""
+
+    alias: str
+    device: VirtioMem
+    balloon: int
+
+
+def parse_virtio_mem(xml: str) -> DomainVirtioMem | None:
+    """The virtio-mem device of a live domain XML (`virsh dumpxml`), or None.
+
+    The base memory, what the guest can never unplug, is its NUMA cells'
+    memory (libvirt needs a NUMA node for virtio-mem); `current` is what
+    the guest has plugged (live XML only).  libvirt 11.3 counts plugged
+    memory in `<currentMemory>` (and domstats' `balloon.current`) but takes
+    `setmem` sizes for the balloon alone, within the base: with 512 MiB
+    plugged into a 512 MiB base, `setmem 400M` gave 912 MiB current and
+    QEMU's balloon 400 MiB.  The controller drives one device: a domain
+    with several is driven through its first."""
+    root = ET.fromstring(xml)
+    memory = root.find("devices/memory[@model='virtio-mem']")
+    if memory is None:
+        return None
+    alias = memory.find("alias")
+    if alias is None or not alias.get("name"):
+        raise ThinvmError("libvirt XML: a virtio-mem device without an alias")
+    cells = root.findall("cpu/numa/cell")
+    devices = root.findall("devices/memory")
+    base = sum(_libvirt_size(cell, "memory") for cell in cells) or (
+        _libvirt_size(root.find("memory"))
+        - sum(_libvirt_size(d.find("target/size")) for d in devices)
+    )
+    plugged = _libvirt_size(memory.find("target/current"))
+    device = VirtioMem(
+        base=base,
+        plugged=plugged,
+        requested=_libvirt_size(memory.find("target/requested")),
+        block_size=_libvirt_size(memory.find("target/block")),
+        max_size=_libvirt_size(memory.find("target/size")),
+    )
+    current = root.find("currentMemory")
+    balloon = _libvirt_size(current) - plugged if current is not None else base
+    return DomainVirtioMem(alias=str(alias.get("name")), device=device, balloon=balloon)
+
+
+def domain_sample(
+    dom: DomainStats,
+    now: float,
+    migrating: bool = False,
+    virtio_mem: VirtioMem | None = None,
+) -> VmSample:
+    """A VmSample from libvirt's balloon statistics of one domain (and its
+    virtio-mem device: libvirt's `balloon.current` already counts what the
+    guest has plugged, and the guest can have all of the device)."""
     v = dom.values
     stats: dict[str, int] = {q: v[k] * KiB for k, q in _LIBVIRT_TO_QMP.items() if k in v}
     stats.update({q: v[k] for k, q in _COUNTS.items() if k in v})
     guest = parse_guest_stats({"last-update": v.get("balloon.last-update", 0), "stats": stats}, now)
-    actual = v.get("balloon.current")
-    maximum = v.get("balloon.maximum", actual or 0)
+    actual = v.get("balloon.current", 0) * KiB or None
+    maximum = v.get("balloon.maximum", 0) * KiB or (actual or 0)
+    levers: tuple[Lever, ...] = (Lever.BALLOON,)
+    if virtio_mem is not None:
+        levers = (Lever.BALLOON, Lever.VIRTIO_MEM)
+        actual = actual or virtio_mem.base + virtio_mem.plugged
+        maximum = virtio_mem.base + virtio_mem.max_size
     return VmSample(
         name=dom.name,
-        max_memory=maximum * KiB,
-        actual=actual * KiB if actual else None,
+        max_memory=maximum,
+        actual=actual,
         stats=guest,
         migrating=migrating,
         host_rss=v["balloon.rss"] * KiB if "balloon.rss" in v else None,
+        levers=levers,
+        virtio_mem=virtio_mem,
     )
 
 
@@ -460,7 +543,8 @@ def migrating_from_jobinfo(text: str) -> bool:
 
 
 class LibvirtBackend:
-    """libvirt domains through `virsh -c URI` (domstats, domjobinfo, setmem).
+    """libvirt domains through `virsh -c URI` (domstats, domjobinfo, dumpxml;
+    setmem, or update-memory-device for a domain with virtio-mem).
 
     virsh keeps the controller free of the libvirt Python binding, which
     needs libvirt's headers to build; it costs a process per call, which
@@ -478,6 +562,7 @@ class LibvirtBackend:
         self._names = set(names)
         self.stats_period = stats_period
         self._period_set: set[str] = set()
+        self._virtio_mem: dict[str, DomainVirtioMem] = {}
 
     def _virsh(self, *args: str) -> str:
         try:
@@ -510,11 +595,31 @@ class LibvirtBackend:
                 migrating = migrating_from_jobinfo(self._virsh("domjobinfo", dom.name))
             except ThinvmError:
                 migrating = False
-            samples.append(domain_sample(dom, now, migrating))
+            vmem = parse_virtio_mem(self._virsh("dumpxml", dom.name))
+            if vmem is None:
+                self._virtio_mem.pop(dom.name, None)
+            else:
+                self._virtio_mem[dom.name] = vmem
+            samples.append(domain_sample(dom, now, migrating, vmem.device if vmem else None))
         return samples
 
     def set_target(self, vm: str, target: int) -> None:
-        self._virsh("setmem", vm, str(target // KiB), "--live")  # KiB
+        """virtio-mem's `requested-size` where the domain has the device (its
+        balloon then gives all the base memory back), else the balloon."""
+        vmem = self._virtio_mem.get(vm)
+        if vmem is None:
+            self._setmem(vm, target)
+            return
+        requested = vmem.device.requested_for(target)
+        self._virsh(
+            "update-memory-device", vm, "--alias", vmem.alias,
+            "--requested-size", str(requested // KiB), "--live",
+        )  # fmt: skip
+        if vmem.balloon < vmem.device.base:
+            self._setmem(vm, vmem.device.base)
+
+    def _setmem(self, vm: str, size: int) -> None:
+        self._virsh("setmem", vm, str(size // KiB), "--live")  # KiB
 
     def set_reclaim(self, vm: str, on: bool) -> None:
         # Samples carry no reclaimer (libvirt does not reach our agent), so
