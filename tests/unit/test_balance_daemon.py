@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from thinvm.balance.backends import (
+    LibvirtBackend,
     ThinvmBackend,
     domain_sample,
     migrating_from_jobinfo,
@@ -196,6 +197,48 @@ def test_virtio_mem_domain_sample() -> None:
     assert parse_virtio_mem(plain) is None
     with pytest.raises(ThinvmError, match="without an alias"):
         parse_virtio_mem(xml.replace("<alias name='ua-vmem0'/>", ""))
+
+
+class FakeVirsh(LibvirtBackend):
+    """LibvirtBackend with virsh answered from canned output."""
+
+    def __init__(self, xml: dict[str, str], domstats: str) -> None:
+        self.lines: list[str] = []
+        super().__init__("qemu:///fake", log=self.lines.append)
+        self.xml, self.domstats, self.calls = xml, domstats, []
+
+    def _virsh(self, *args: str) -> str:
+        self.calls.append(args)
+        if args[0] == "domstats":
+            return self.domstats
+        if args[0] == "dumpxml":
+            if args[1] not in self.xml:
+                raise ThinvmError(f"virsh dumpxml: failed to get domain '{args[1]}'")
+            return self.xml[args[1]]
+        return "Job type:         None\n" if args[0] == "domjobinfo" else ""
+
+
+def test_libvirt_backend_resizes_virtio_mem_and_skips_a_vanished_domain() -> None:
+    xml = (DATA / "domain-virtio-mem.xml").read_text()
+    stats = (
+        "Domain: 'vmem'\n  balloon.current=659456\n  balloon.maximum=1048576\n\n"
+        "Domain: 'gone'\n  balloon.current=524288\n  balloon.maximum=524288\n"
+    )
+    backend = FakeVirsh({"vmem": xml}, stats)
+    (sample,) = backend.sample()
+    assert sample.name == "vmem" and sample.actual == 644 * MiB
+    assert backend.lines == ["gone: not sampled: virsh dumpxml: failed to get domain 'gone'"]
+    backend.set_target("vmem", 512 * MiB + 64 * MiB)
+    assert backend.calls[-1] == (
+        "update-memory-device", "vmem", "--alias", "ua-vmem0",
+        "--requested-size", str(64 * MiB // KiB), "--live",
+    )  # fmt: skip
+    # A balloon left inside the base memory is given back with setmem.
+    backend.xml["vmem"] = xml.replace(">659456<", ">540672<")
+    backend.sample()
+    backend.set_target("vmem", 512 * MiB)
+    assert backend.calls[-1] == ("setmem", "vmem", str(512 * MiB // KiB), "--live")
+    assert backend.calls[-2][:2] == ("update-memory-device", "vmem")
 
 
 def test_migrating_from_jobinfo() -> None:

@@ -556,9 +556,14 @@ class LibvirtBackend:
     name = "libvirt"
 
     def __init__(
-        self, uri: str, stats_period: int = STATS_POLL_SECONDS, names: Sequence[str] = ()
+        self,
+        uri: str,
+        stats_period: int = STATS_POLL_SECONDS,
+        names: Sequence[str] = (),
+        log: Callable[[str], None] = lambda _line: None,
     ) -> None:
         self.uri = uri
+        self.log = log
         self._names = set(names)
         self.stats_period = stats_period
         self._period_set: set[str] = set()
@@ -595,7 +600,14 @@ class LibvirtBackend:
                 migrating = migrating_from_jobinfo(self._virsh("domjobinfo", dom.name))
             except ThinvmError:
                 migrating = False
-            vmem = parse_virtio_mem(self._virsh("dumpxml", dom.name))
+            try:
+                vmem = parse_virtio_mem(self._virsh("dumpxml", dom.name))
+            except (ThinvmError, ET.ParseError) as exc:
+                # Gone since domstats (migrated away, shut down), or XML we
+                # cannot read: leave it out of this cycle, not the others.
+                self._virtio_mem.pop(dom.name, None)
+                self.log(f"{dom.name}: not sampled: {exc}")
+                continue
             if vmem is None:
                 self._virtio_mem.pop(dom.name, None)
             else:

@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ThinvmError(f"--interval must be positive, not {args.interval}")
     backend: VmBackend
     if args.connect:
-        backend = LibvirtBackend(args.connect, names=args.vm)
+        backend = LibvirtBackend(args.connect, names=args.vm, log=_log)
     else:
         backend = ThinvmBackend(names=args.vm, log=_log)
     host: HostSource = WholeHost()
