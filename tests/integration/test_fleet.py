@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import thinvm_cli
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet import cluster, emulator, guest, migrate, pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest.agent import AgentClient
@@ -66,10 +66,17 @@ def assert_nothing_left(root: Path) -> None:
 
 def start(state: ClusterState, images: dict[str, guest.DiskImage], name: str, host: str = "h1",
           kernel: str = "6.1", thinvm: bool = True, memory: int = MEMORY,
-          virtio_mem: int = 0) -> Host:  # fmt: skip
+          virtio_mem: int = 0, portable: bool = False) -> Host:  # fmt: skip
     h = state.host(host)
     spec = guest.spec_for(
-        guest.GuestSpec(name, memory=memory, kernel=kernel, thinvm=thinvm, virtio_mem=virtio_mem),
+        guest.GuestSpec(
+            name,
+            memory=memory,
+            kernel=kernel,
+            thinvm=thinvm,
+            virtio_mem=virtio_mem,
+            portable=portable,
+        ),
         images[kernel],
         cluster.shared_dir(Path(h.root).parent.parent),
     )
@@ -182,6 +189,34 @@ def test_setmem_migrate_back_and_forth_save_restore(
         save.unlink(missing_ok=True)
         remove(h1, name)
         remove(h2, name)
+
+
+def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
+    fleet: ClusterState, images: dict[str, guest.DiskImage]
+) -> None:
+    """A rolling upgrade's migrations: thinvm host -> a host still on stock
+    QEMU -> thinvm host, over multifd and TLS.  The thinvm source skips
+    what the guest never touched though the destination is stock; the
+    stock source sends everything; the guest's data verifies each time."""
+    name = "portable"
+    h1, h3 = fleet.host("h1"), fleet.host("h3")
+    start(fleet, images, name, portable=True)
+    try:
+        in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 21")
+        there = migrate.migrate(h1, h3, name, parallel=2)
+        assert guest.domstate(h3, name) == "running" and guest.domstate(h1, name) == "absent"
+        verify_pattern(h3, name, 21)
+        assert there.capabilities.get("sparse-ram") is True, there.capabilities
+        assert there.ram.get("sparse-skipped", 0) * 4096 > MEMORY // 4, there.ram
+
+        back = migrate.migrate(h3, h1, name, parallel=2)
+        assert guest.domstate(h1, name) == "running" and guest.domstate(h3, name) == "absent"
+        verify_pattern(h1, name, 21)
+        assert "sparse-ram" not in back.capabilities, back.capabilities  # stock: no skipping
+        assert back.ram.get("sparse-skipped") is None, back.ram
+    finally:
+        remove(h1, name)
+        remove(h3, name)
 
 
 def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
@@ -358,6 +393,49 @@ def test_ranges_on_the_stock_emulator_is_a_clear_error(
     finally:
         remove(h, "bad")
         assert domain_xml(spec)  # still a valid document, only the emulator is wrong
+
+
+def peer_virsh(frm: Host, to: Host, pkipath: Path | None, transport: str = "tls") -> str:
+    """virsh from inside `frm`'s network, as a peer would connect to `to`:
+    its error message, or "" if the connection was accepted."""
+    uri = f"qemu+{transport}://{to.address}/system"
+    if pkipath is not None:
+        uri += f"?pkipath={pkipath}"
+    proc = subprocess.run(
+        ["ip", "netns", "exec", frm.netns, "virsh", "-q", "-c", uri, "hostname"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    return "" if proc.returncode == 0 else proc.stderr.strip() or "failed"
+
+
+def client_pki(d: Path, cacert: Path, cert: Path, key: Path) -> Path:
+    """A client's pkipath directory, as virsh expects it."""
+    d.mkdir()
+    for src, name in ((cacert, "cacert.pem"), (cert, "clientcert.pem"), (key, "clientkey.pem")):
+        (d / name).write_bytes(src.read_bytes())
+    return d
+
+
+def test_hosts_accept_only_clients_with_a_certificate_of_the_cluster_ca(
+    fleet: ClusterState, tmp_path: Path
+) -> None:
+    h1 = fleet.host("h1")
+    cacert = Path(h1.root) / "pki" / "CA" / "cacert.pem"
+    ours = Path(h1.root) / "pki" / "libvirt"
+    member = client_pki(
+        tmp_path / "member", cacert, ours / "clientcert.pem", ours / "private" / "clientkey.pem"
+    )
+    # Trusts the cluster CA (so it would accept the server), but its own
+    # certificate comes from another CA.
+    rogue_ca = pki.make_ca(tmp_path / "rogue-ca")
+    cert, key = tmp_path / "rogue-cert.pem", tmp_path / "rogue-key.pem"
+    pki.issue(rogue_ca, pki.CLIENT_USAGE, h1.address, h1.hostname, cert, key)
+    rogue = client_pki(tmp_path / "rogue", cacert, cert, key)
+    for to in fleet.hosts:
+        assert peer_virsh(h1, to, member) == "", to.name  # the control: a member gets in
+        refused = peer_virsh(h1, to, rogue)
+        assert refused and "certificate" in refused.lower(), (to.name, refused)
+        assert peer_virsh(h1, to, None, transport="tcp"), to.name  # no plain TCP listener
 
 
 def balloon_current(h: Host, name: str) -> int:

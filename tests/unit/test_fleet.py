@@ -134,7 +134,7 @@ def test_hosts_get_distinct_addresses_uuids_and_trees(tmp_path: Path) -> None:
     assert [h.flavour for h in hosts] == ["patched", "patched", "stock"]
     assert len({h.root for h in hosts}) == 3
     assert hosts[0].uri.endswith(f"socket={tmp_path}/hosts/h1/run/libvirt-sock")
-    assert hosts[1].tcp_uri == "qemu+tcp://10.217.0.2/system"
+    assert hosts[1].peer_uri == "qemu+tls://10.217.0.2/system"
 
 
 @pytest.mark.parametrize("count,stock", [(0, []), (17, []), (2, ["h3"])])
@@ -146,11 +146,21 @@ def test_bad_cluster_plans_are_refused(tmp_path: Path, count: int, stock: list[s
 def test_host_config_listens_only_on_its_own_address(tmp_path: Path) -> None:
     h = cluster.plan_hosts(2, tmp_path)[1]
     conf = cluster.libvirtd_conf(h)
-    assert 'listen_addr = "10.217.0.2"' in conf and "listen_tcp = 1" in conf
+    assert 'listen_addr = "10.217.0.2"' in conf
+    assert "listen_tls = 1" in conf and "listen_tcp = 0" in conf
     assert f'host_uuid = "{h.host_uuid}"' in conf
     qconf = cluster.qemu_conf(h, tmp_path / "shared")
     assert 'migration_address = "10.217.0.2"' in qconf
     assert f'shared_filesystems = [ "{tmp_path}/shared" ]' in qconf
+    assert "migrate_tls_force = 1" in qconf
+
+
+def test_a_no_tls_cluster_listens_on_plain_tcp(tmp_path: Path) -> None:
+    h = cluster.plan_hosts(2, tmp_path, tls=False)[1]
+    assert h.peer_uri == "qemu+tcp://10.217.0.2/system"
+    conf = cluster.libvirtd_conf(h)
+    assert "listen_tls = 0" in conf and "listen_tcp = 1" in conf
+    assert "migrate_tls_force" not in cluster.qemu_conf(h, tmp_path / "shared")
 
 
 def test_host_script_binds_every_libvirt_tree(tmp_path: Path) -> None:

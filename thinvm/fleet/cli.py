@@ -49,6 +49,7 @@ def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
         kernel=args.kernel,
         build=args.build,
         thinvm=not args.no_thinvm,
+        portable=args.portable,
         virtio_mem=parse_size(args.virtio_mem),
         virtio_mem_requested=parse_size(args.virtio_mem_requested),
     )
@@ -166,7 +167,7 @@ def cmd_counters(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
-    state = cluster.up(args.hosts, args.link, args.stock or ())
+    state = cluster.up(args.hosts, args.link, args.stock or (), tls=args.tls)
     for h in state.hosts:
         print(f"{h.name}  {h.address}  {h.flavour:7}  virsh -c '{h.uri}'")
     return 0
@@ -189,12 +190,14 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
         except ThinvmError:
             doms, up = [], False
         hosts.append({"host": h.name, "address": h.address, "qemu": h.flavour, "up": up,
-                      "domains": doms, "uri": h.uri})  # fmt: skip
+                      "domains": doms, "uri": h.uri, "peer_uri": h.peer_uri})  # fmt: skip
         lines.append(
             f"{h.name}  {h.address}  {h.flavour:7}  {'up' if up else 'DOWN'}  "
             f"domains: {', '.join(doms) or '-'}"
         )
     lines.append(f"link: {state.link or 'unlimited'}")
+    tls = all(h.tls for h in state.hosts)
+    lines.append("peers: " + ("TLS, certificates of the cluster CA" if tls else "plain TCP"))
     _print_json_or(args, {"hosts": hosts, "link": state.link}, "\n".join(lines))
     return 0
 
@@ -223,6 +226,12 @@ def _add_guest_options(p: argparse.ArgumentParser) -> None:
         "--no-thinvm",
         action="store_true",
         help="stock's best instead: reporting + hinting, no ranges, no sparse-ram",
+    )
+    p.add_argument(
+        "--portable",
+        action="store_true",
+        help="a guest that also runs on hosts still on stock QEMU: no page ranges, "
+        "sparse-ram only for multifd migrations from a thinvm host (docs/fleet.md)",
     )
     p.add_argument(
         "--virtio-mem",
@@ -295,8 +304,15 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p = csub.add_parser("up", help="create N hosts, each with its own libvirtd")
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--link", help="rate limit of each host's link, e.g. 10gbit")
-    p.add_argument("--stock", action="append", metavar="HOST",
-                   help="this host runs stock QEMU behind the thinvm emulator path")  # fmt: skip
+    p.add_argument(
+        "--stock",
+        action="append",
+        metavar="HOST",
+        help="this host runs stock QEMU behind the thinvm emulator path",
+    )
+    p.add_argument("--no-tls", dest="tls", action="store_false",
+                   help="plain TCP between hosts, no authentication (to measure what TLS "
+                        "costs; never on a real network)")  # fmt: skip
     p.set_defaults(func=cmd_cluster_up)
     p = csub.add_parser("down", help="remove every host, daemon and guest; idempotent")
     p.set_defaults(func=cmd_cluster_down)

@@ -10,6 +10,11 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
 - sparse-ram: a migration capability libvirt does not know, set on the
   command line as `-global migration.<cap>=on`, so that both ends of a
   migration have it (the XML travels with the domain);
+- a portable guest (one that also runs on hosts still on stock QEMU):
+  no page ranges and no sparse-ram in the XML, and
+  `<metadata><thinvm:guest portable="yes"/></metadata>`, which libvirt
+  keeps across migrations, so `thinvm fleet migrate` knows to ask the
+  source for sparse-ram over multifd;
 - virtio-mem (docs/resize.md): libvirt's `<memory model='virtio-mem'>`,
   which needs `<maxMemory>` and a guest NUMA node; resized with
   `virsh update-memory-device NAME --alias ua-vmem0 --requested-size SIZE`.
@@ -31,6 +36,10 @@ from thinvm.vm.machine import (
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 ET.register_namespace("qemu", QEMU_NS)
+# Our own element in <metadata>: libvirt keeps an application's metadata,
+# one element per namespace, and moves it with the domain.
+THINVM_NS = "https://thinvm.invalid/xmlns/guest/1"
+ET.register_namespace("thinvm", THINVM_NS)
 
 AGENT_PORT = "org.thinvm.agent"
 # A user alias ("ua-" prefix) gives the balloon a stable QOM path, for
@@ -77,6 +86,7 @@ class DomainSpec:
     # and how much of it is plugged at start.
     virtio_mem: int = 0
     virtio_mem_requested: int = 0
+    portable: bool = False
 
     def validate(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -92,6 +102,10 @@ class DomainSpec:
         check_virtio_mem(
             VMConfig(virtio_mem=self.virtio_mem, virtio_mem_plugged=self.virtio_mem_requested)
         )
+        if self.portable and (self.ranges or self.sparse_ram):
+            raise ThinvmError(
+                "a portable guest runs on stock QEMU too: no page ranges, no sparse-ram in its XML"
+            )
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -203,11 +217,24 @@ def _devices(root: ET.Element, spec: DomainSpec) -> None:
     _virtio_mem(devices, spec)
 
 
+def _metadata(root: ET.Element, spec: DomainSpec) -> None:
+    if spec.portable:
+        metadata = _sub(root, "metadata")
+        ET.SubElement(metadata, f"{{{THINVM_NS}}}guest", portable="yes")
+
+
+def is_portable(xml: str) -> bool:
+    """Whether a domain (its live XML) was defined as portable."""
+    el = ET.fromstring(xml).find(f"metadata/{{{THINVM_NS}}}guest")
+    return el is not None and el.get("portable") == "yes"
+
+
 def domain_xml(spec: DomainSpec) -> str:
     """The domain XML for `spec` (validated first)."""
     spec.validate()
     root = ET.Element("domain", type="qemu")
     _sub(root, "name", spec.name)
+    _metadata(root, spec)
     if spec.virtio_mem:
         # One slot, as QEMU's -m wants with maxmem (virtio-mem needs none,
         # libvirt's check on memory devices may count it).

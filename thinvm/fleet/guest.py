@@ -71,6 +71,11 @@ class GuestSpec:
     kernel: str = "6.1"
     build: str = "patched"  # whose emulator path the domain names
     thinvm: bool = True  # ranges + sparse-ram (False: stock's best)
+    # Runs on stock hosts too (a cluster being upgraded): no page ranges,
+    # which the guest sees and a stock QEMU lacks, and sparse-ram asked of
+    # the source per migration (migrate.migrate) instead of in the XML,
+    # which a stock QEMU would refuse to start with.
+    portable: bool = False
     hint: bool = True  # free page hinting (QEMU's, on an iothread)
     virtio_mem: int = 0  # docs/resize.md; 0: no virtio-mem device
     virtio_mem_requested: int = 0
@@ -80,7 +85,8 @@ def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
     """The domain for `guest`: thinvm's features, or stock's best
     (reporting + hinting; multifd is a migration flag) with thinvm=False.
     Both hint by default, as thinvm.vm.stack's THINVM and STOCK_BEST do."""
-    if guest.thinvm and guest.build == "stock":
+    thinvm = guest.thinvm and not guest.portable
+    if thinvm and guest.build == "stock":
         raise ThinvmError(
             "page ranges and sparse-ram need the patched QEMU: use --build patched, "
             "or --no-thinvm for the stock emulator"
@@ -94,11 +100,12 @@ def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
         cmdline=image.cmdline,
         memory=guest.memory,
         console_log=shared / f"{guest.name}.console.log",
-        ranges=guest.thinvm,
+        ranges=thinvm,
         free_page_hint=guest.hint,
-        sparse_ram=emulator.sparse_ram_capability() if guest.thinvm else None,
+        sparse_ram=emulator.sparse_ram_capability() if thinvm else None,
         virtio_mem=guest.virtio_mem,
         virtio_mem_requested=guest.virtio_mem_requested,
+        portable=guest.portable,
     )
 
 

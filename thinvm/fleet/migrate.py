@@ -1,10 +1,10 @@
 """Live migration between cluster hosts through libvirt, and the thinvm
 counters libvirt does not report.
 
-Migration is peer-to-peer (`virsh migrate --live --p2p`): the source
-libvirtd connects to the destination's TCP listener itself, as it would
-between real hosts, and QEMU streams to the destination's migration
-address (qemu.conf migration_host).  libvirt knows nothing of sparse-ram:
+Migration is peer-to-peer (`virsh migrate --live --p2p --tls`): the
+source libvirtd connects to the destination's TLS listener itself, as it
+would between real hosts, and QEMU streams, over TLS, to the
+destination's migration address (qemu.conf migration_host).  libvirt knows nothing of sparse-ram:
 its `domjobinfo --completed` keeps only the fields it parses, and the
 source QEMU is gone when the job completes.  So while the job runs,
 `query-migrate` is read every 20 ms from the source QEMU through thinvm's
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from thinvm.errors import ThinvmError
+from thinvm.fleet import emulator
 from thinvm.fleet.cluster import Host, virsh
-from thinvm.fleet.domain import BALLOON_QOM_PATH, monitor_path
+from thinvm.fleet.domain import BALLOON_QOM_PATH, is_portable, monitor_path
 from thinvm.qemu.monitor import Monitor
 
 BALLOON_COUNTERS = ("range-requests", "range-discards", "guest-errors")
@@ -123,6 +124,28 @@ class _SourcePoller(threading.Thread):
             self.stop.wait(POLL_INTERVAL)
 
 
+def set_sparse_ram(source: Host, name: str, on: bool) -> bool:
+    """Set sparse-ram in the source QEMU of a portable guest, if it has the
+    capability.
+
+    On for multifd only: there any destination, a stock QEMU included,
+    takes the pages the source leaves out to be zero, as it does for zero
+    pages (QEMU patch 0023), so a guest can leave a thinvm host for one
+    not yet upgraded and keep the skipping.  Off otherwise, also when an
+    earlier multifd migration that failed left it on: over the main
+    channel the destination must take part, and a stock one would refuse
+    the stream.  libvirt sets only the capabilities it knows, so this one
+    stays as set here.  Returns whether it is on."""
+    cap = emulator.sparse_ram_capability()
+    caps = {c["capability"]: c["state"] for c in qmp(source, name, "query-migrate-capabilities")}
+    if cap not in caps:
+        return False  # a stock source: nothing to skip with
+    if caps[cap] != on:
+        qmp(source, name, "migrate-set-capabilities",
+            capabilities=[{"capability": cap, "state": on}])  # fmt: skip
+    return on
+
+
 def parse_jobinfo(text: str) -> dict[str, str]:
     """`virsh domjobinfo` output as a dict ("Time elapsed" -> "1234 ms")."""
     out: dict[str, str] = {}
@@ -147,10 +170,14 @@ def migrate(
     if source.name == destination.name:
         raise ThinvmError(f"{name} is already on {source.name}")
     args = ["migrate", "--live", "--p2p", "--persistent", "--undefinesource"]
+    if destination.tls:
+        args.append("--tls")
     if parallel:
         # multifd; its zero-page detection is QEMU's default.
         args += ["--parallel", "--parallel-connections", str(parallel)]
-    args += [*extra, name, destination.tcp_uri]
+    if is_portable(virsh(source, "dumpxml", name)):
+        set_sparse_ram(source, name, on=bool(parallel))
+    args += [*extra, name, destination.peer_uri]
     poller = _SourcePoller(source, name)
     poller.start()
     start = time.monotonic()

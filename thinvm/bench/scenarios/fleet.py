@@ -7,6 +7,11 @@ reporting and hinting, multifd (2 channels) with its zero-page detection.
 thinvm: patched QEMU, our DKMS-built driver with page ranges, reporting,
 hinting, sparse-ram, the same multifd channels.  Both are the same Debian
 disk image and domain XML (thinvm.fleet.domain) but for those parts.
+
+The hosts talk TLS, as `thinvm cluster up` sets them up by default (libvirt
+and QEMU's migration stream).  The `-plain` variants run the same on a
+second cluster with plain TCP (`up --no-tls`), which says what TLS costs
+each stack.
 """
 
 import contextlib
@@ -30,22 +35,44 @@ SEED = 1311
 CHANNELS = 2
 TOUCH_LEAVE = 96 * MiB
 PATTERN = "/dev/shm/thinvm-bench-pattern"
-BENCH_CLUSTER = Path("/var/lib/thinvm/bench-cluster")
+# Directories of their own: the benchmark runs next to an operator's cluster.
+BENCH_CLUSTER = {True: Path("/var/lib/thinvm/bench-cluster"),
+                 False: Path("/var/lib/thinvm/bench-cluster-plain")}  # fmt: skip
 
-_state: dict[str, ClusterState] = {}
+
+class _Clusters:
+    """The TLS and the plain cluster, each started when a variant first
+    needs it and removed when the scenario ends."""
+
+    def __init__(self) -> None:
+        self.link = ""
+        self.stack: contextlib.ExitStack | None = None
+        self.states: dict[bool, ClusterState] = {}
+
+    def get(self, tls: bool) -> ClusterState:
+        if self.stack is None:
+            raise ThinvmError("fleet-migrate: no cluster context")
+        if tls not in self.states:
+            self.states[tls] = self.stack.enter_context(
+                cluster.running(2, link=self.link, root=BENCH_CLUSTER[tls], tls=tls)
+            )
+        return self.states[tls]
+
+
+_clusters = _Clusters()
 
 
 @contextlib.contextmanager
 def _cluster(link: str) -> Iterator[None]:
     for flavour in ("patched", "stock"):
         emulator.install(flavour)
-    # A cluster directory of its own: runs next to an operator's cluster.
-    with cluster.running(2, link=link, root=BENCH_CLUSTER) as state:
-        _state["cluster"] = state
+    with contextlib.ExitStack() as stack:
+        _clusters.link, _clusters.stack = link, stack
         try:
             yield
         finally:
-            _state.pop("cluster", None)
+            _clusters.stack = None
+            _clusters.states.clear()
 
 
 def _qemu_pid(h: Host, name: str) -> int:
@@ -78,10 +105,11 @@ def _ms(job: dict[str, str], key: str) -> float | None:
 
 
 def _run_one(
-    opts: BenchOptions, size: int, used: int, thinvm: bool, balloon_to: int | None
-) -> Callable[[RunContext], Metrics]:
+    opts: BenchOptions, size: int, used: int, thinvm: bool, balloon_to: int | None,
+    tls: bool = True,
+) -> Callable[[RunContext], Metrics]:  # fmt: skip
     def run(ctx: RunContext) -> Metrics:
-        state = _state["cluster"]
+        state = _clusters.get(tls)
         src, dst = state.host("h1"), state.host("h2")
         image = guest.ensure_disk_image(opts.kernel)
         spec = guest.spec_for(
@@ -128,7 +156,7 @@ def _measure(
         _wait_actual(src, balloon_to)
     ctx.step("waiting for free page reporting to settle")
     src_rss = _settle_rss(src, GUEST)
-    ctx.step("virsh migrate --live --p2p")
+    ctx.step(f"virsh migrate --live --p2p{' --tls' if dst.tls else ''}")
     # The source only: libvirt starts the destination QEMU during the
     # migration, so there is nothing to sample before it.  libvirt names
     # QEMU's threads (debug-threads=on) by itself.
@@ -180,18 +208,28 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
         Variant("thinvm-ballooned", _run_one(opts, size, used, True, balloon_to),
                 f"ballooned to {format_size(balloon_to)} by virsh setmem; thinvm",
                 reference="stock-best-ballooned"),
+        Variant("stock-best-plain", _run_one(opts, size, used, False, None, tls=False),
+                "stock-best over plain TCP (what TLS costs: against stock-best)",
+                reference="stock-best"),
+        Variant("thinvm-plain", _run_one(opts, size, used, True, None, tls=False),
+                "thinvm over plain TCP (what TLS costs: against thinvm)",
+                reference="thinvm"),
     ]  # fmt: skip
     return Scenario(
         name=NAME,
         title="libvirt live migration between cluster hosts: thinvm vs stock-best",
         description=(
             f"Two libvirt hosts (`thinvm cluster up --hosts 2 --link {link}`: network "
-            "namespaces, one libvirtd each, a bridge, a token bucket on each host's link). "
+            "namespaces, one libvirtd each, a bridge, a token bucket on each host's link; "
+            "TLS between the libvirtds and on QEMU's migration stream, the cluster's "
+            "default, except for the `-plain` variants, which run on a second cluster "
+            "made with `--no-tls`). "
             f"A {format_size(size)} Debian 12 guest (disk image from guest/image/build-disk.sh, "
             f"kernel {opts.kernel}) writes {format_size(used)} of data, touches all but "
             f"{format_size(TOUCH_LEAVE)} of its free memory and frees it, optionally is "
             f"ballooned to {format_size(balloon_to)} with `virsh setmem`, waits for free page "
-            "reporting to settle, then `virsh migrate --live --p2p --parallel` moves it to "
+            "reporting to settle, then `virsh migrate --live --p2p --parallel [--tls]` moves "
+            "it to "
             "the other host; the destination verifies the data. stock-best swaps our "
             "driver for the kernel's virtio_balloon (rmmod + insmod) after boot. "
             "migration_ms is the wall time of `virsh migrate` (including the destination "

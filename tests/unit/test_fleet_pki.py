@@ -1,0 +1,49 @@
+"""The cluster's certificates: real openssl, checked with openssl."""
+
+import stat
+import subprocess
+from pathlib import Path
+
+from thinvm.fleet import pki
+
+
+def openssl(*args: str) -> str:
+    return subprocess.run(["openssl", *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_host_tree_has_libvirts_layout_and_certificates_of_the_cluster_ca(
+    tmp_path: Path,
+) -> None:
+    ca = pki.make_ca(tmp_path / "cluster")
+    tree = tmp_path / "h2" / "pki"
+    pki.host_tree(tree, ca, "10.217.0.2", "thinvm-h2")
+    for name in (
+        "CA/cacert.pem",
+        "libvirt/servercert.pem", "libvirt/private/serverkey.pem",
+        "libvirt/clientcert.pem", "libvirt/private/clientkey.pem",
+        "qemu/ca-cert.pem", "qemu/server-cert.pem", "qemu/server-key.pem",
+        "qemu/client-cert.pem", "qemu/client-key.pem",
+    ):  # fmt: skip
+        assert (tree / name).is_file(), name
+    for key in ("libvirt/private/serverkey.pem", "qemu/client-key.pem"):
+        assert stat.S_IMODE((tree / key).stat().st_mode) == 0o600, key
+    assert not list(tree.rglob("cakey.pem"))  # the CA key never enters a host
+    cacert = str(tree / "CA" / "cacert.pem")
+    for role, purpose in (("server", "sslserver"), ("client", "sslclient")):
+        cert = str(tree / "libvirt" / f"{role}cert.pem")
+        out = openssl("verify", "-CAfile", cacert, "-purpose", purpose, cert)
+        assert out.strip().endswith("OK"), out
+        text = openssl("x509", "-in", cert, "-noout", "-text")
+        assert "IP Address:10.217.0.2" in text and "DNS:thinvm-h2" in text
+
+
+def test_a_certificate_from_another_ca_does_not_verify(tmp_path: Path) -> None:
+    ours = pki.make_ca(tmp_path / "ours")
+    theirs = pki.make_ca(tmp_path / "theirs")
+    cert, key = tmp_path / "rogue.pem", tmp_path / "rogue-key.pem"
+    pki.issue(theirs, pki.CLIENT_USAGE, "10.217.0.9", "rogue", cert, key)
+    proc = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ours[0]), str(cert)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
