@@ -80,6 +80,10 @@ LABELS = {
     "dst_vcpu_cpu_s": "destination CPU: vCPUs",
     "dst_multifd_cpu_s": "destination CPU: multifd channels",
     "dst_other_cpu_s": "destination CPU: other threads (main loop)",
+    # The warm-up before a migration (thinvm.host.memory.warm_free_memory):
+    # how cold the lab host was, outside the measurement.
+    "host_warmed_bytes": "host memory warmed before",
+    "host_warm_s": "host warm-up (not measured)",
     # migrate-working-set: the step before the migration (drop_caches or a
     # trim) and the hot subset read again after arrival.
     "trim_ms": "drop/trim before migrating",
