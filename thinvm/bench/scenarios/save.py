@@ -17,6 +17,7 @@ from thinvm.bench.scenarios.params import (
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
+    warm_host,
 )
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.paths import cache_dir
@@ -91,6 +92,7 @@ def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> 
                         )
                     metrics.update(cpu.metrics)
                 st = path.stat()
+                metrics.update(warm_host(ctx, st.st_blocks * 512))
                 began = time.monotonic()
                 restored, restore_cpu = _restore(config, uri, caps, ctx)
                 metrics.update(restore_cpu)

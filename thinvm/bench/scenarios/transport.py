@@ -30,16 +30,17 @@ MIGRATION_PORT = 4444  # inside the private destination namespace
 WARM_MARGIN = 256 * MiB
 
 
-def warm_host_for(src: VM, ctx: RunContext) -> Metrics:
-    """Warm as much free host memory as the destination will fault in, just
-    before the migration (thinvm.host.memory.warm_free_memory says why):
-    the destination's CPU then measures QEMU, not how long ago this lab
-    machine last gave its free memory back to its own hypervisor.
+def warm_host(ctx: RunContext, populated: int) -> Metrics:
+    """Warm as much free host memory as a destination that receives
+    `populated` bytes will fault in, just before the migration
+    (thinvm.host.memory.warm_free_memory says why): the destination's CPU
+    then measures QEMU, not how long ago this lab machine last gave its
+    free memory back to its own hypervisor.
     THINVM_BENCH_WARM_HOST=0 turns it off (to measure that effect)."""
     if os.environ.get("THINVM_BENCH_WARM_HOST", "1") == "0":
         return {"host_warmed_bytes": 0}
     ctx.step("warming free host memory for the destination")
-    warmed, seconds = warm_free_memory(src.host_memory().rss + WARM_MARGIN)
+    warmed, seconds = warm_free_memory(populated + WARM_MARGIN)
     return {"host_warmed_bytes": warmed, "host_warm_s": round(seconds, 3)}
 
 
@@ -141,7 +142,7 @@ class Transport:
         migrate.set_parameters(dst, {k: v for k, v in params.items() if k in DESTINATION_PARAMS})
         migrate.set_capabilities(dst, caps or {})
         uri = self._incoming(dst)
-        warm = warm_host_for(src, ctx)
+        warm = warm_host(ctx, src.host_memory().rss)
         with MigrationCpu(src.pid, dst.pid) as cpu:
             try:
                 result = migrate.migrate_to_uri(
