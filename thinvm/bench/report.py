@@ -453,6 +453,21 @@ recorded result follows these rules (issue 19):
   precopy loads the main stream in the main loop, so its cost shows in
   `dst_other_cpu_s`. Bytes sent and pages sent, read as zero and skipped
   unread come from `query-migrate`.
+- **Warm host memory.** This lab's machines are themselves microVMs whose
+  kernel reports free memory to their hypervisor (free page reporting,
+  8 MiB blocks): memory free for ~2 s is taken back, and the next process
+  to fault it in pays for the hypervisor backing it again, 2.2 s of CPU
+  per GiB against 0.09 s for memory freed just before (measured
+  2026-11-25). A destination QEMU faults in everything it receives, so
+  before 2026-11-25 its CPU and the migration's time depended on what the
+  host had done seconds earlier: perf put ~90% of a destination's 1.1 s in
+  the kernel zeroing fresh huge pages, and the same runs took 0.15-0.24 s
+  once warmed. Since then, right before each migration (and restore) the
+  harness faults in and releases as much memory as the destination will
+  populate (the source's RSS + 256 MiB), outside the measured window; the
+  kernel hands out those unreported pages first, as a bare-metal host's
+  memory always is. `host_warm_s` records how long that took (how cold the
+  host was); `THINVM_BENCH_WARM_HOST=0` turns it off.
 
 Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
 [--variants a,b] [--param key=value]`; `thinvm bench --list` shows every
