@@ -1,5 +1,6 @@
 """Pure logic of thinvm.fleet: domain XML, host configuration, parsing."""
 
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -44,12 +45,8 @@ def test_thinvm_domain_has_every_feature() -> None:
     assert root.find("devices/memballoon/stats").get("period") == "2"  # type: ignore[union-attr]
     assert root.find("devices/memballoon/alias").get("name") == BALLOON_ALIAS  # type: ignore[union-attr]
     args = [a.get("value") for a in root.iter(f"{Q}arg")]
-    assert args == [
-        "-global",
-        "migration.sparse-ram=on",
-        "-qmp",
-        "unix:/var/lib/libvirt/qemu/thinvm-vm1.qmp,server=on,wait=off",
-    ]
+    # The capability is all the command line carries: no monitor of ours.
+    assert args == ["-global", "migration.sparse-ram=on"]
     dev = root.find(f"{Q}override/{Q}device")
     assert dev is not None and dev.get("alias") == BALLOON_ALIAS
     props = {p.get("name"): p.get("value") for p in dev.iter(f"{Q}property")}
@@ -62,7 +59,7 @@ def test_thinvm_domain_has_every_feature() -> None:
 def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
     root = parse(spec(ranges=False, sparse_ram=None, free_page_hint=True))
     assert "-global" not in [a.get("value") for a in root.iter(f"{Q}arg")]
-    bare = parse(spec(ranges=False, sparse_ram=None, thinvm_monitor=False))
+    bare = parse(spec(ranges=False, sparse_ram=None, free_page_hint=False))
     assert bare.find(f"{Q}commandline") is None and bare.find(f"{Q}override") is None
     props = {p.get("name"): p.get("value") for p in root.iter(f"{Q}property")}
     assert props == {"free-page-hint": "true", "iothread": "iothread1"}
@@ -205,3 +202,20 @@ def test_clusters_in_different_directories_use_different_namespaces(tmp_path: Pa
     assert cluster.fabric_ns(Path("/var/lib/thinvm/cluster")) == "thinvm-fabric"
     assert other.netns != default.netns and other.netns.endswith("-h1")
     assert cluster.fabric_ns(tmp_path).startswith(cluster.ns_prefix(tmp_path))
+
+
+def test_a_portable_domain_has_no_qemu_command_line(tmp_path: Path) -> None:
+    root = parse(spec(ranges=False, sparse_ram=None, portable=True))
+    assert root.find(f"{Q}commandline") is None
+
+
+@pytest.mark.skipif(shutil.which("virsh") is None, reason="needs virsh (libvirt-clients)")
+def test_a_virsh_session_answers_command_by_command() -> None:
+    """libvirt's test driver, in-process: no daemon needed."""
+    with migrate.VirshSession("test:///default", "test") as session:
+        assert session.run("domstate", "test") == "running"
+        # Output without a final newline, quotes, JSON: returned as printed.
+        assert session.run("echo", """it's {"a": 1}""") == """it's {"a": 1}"""
+        with pytest.raises(ThinvmError, match="test: virsh dominfo: failed to get domain 'nosuch'"):
+            session.run("dominfo", "nosuch")
+        assert "test" in session.run("list", "--all")  # still in step after an error

@@ -9,7 +9,9 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
   `<qemu:override>` on the balloon's alias;
 - sparse-ram: a migration capability libvirt does not know, set on the
   command line as `-global migration.<cap>=on`, so that both ends of a
-  migration have it (the XML travels with the domain);
+  migration have it (the XML travels with the domain); the only use of
+  `<qemu:commandline>` (thinvm reads its counters through libvirt's own
+  monitor, thinvm.fleet.migrate);
 - a portable guest (one that also runs on hosts still on stock QEMU):
   no page ranges and no sparse-ram in the XML, and
   `<metadata><thinvm:guest portable="yes"/></metadata>`, which libvirt
@@ -46,17 +48,7 @@ AGENT_PORT = "org.thinvm.agent"
 # <qemu:override> and for reading its counters with qom-get.
 BALLOON_ALIAS = "ua-balloon"
 BALLOON_QOM_PATH = f"/machine/peripheral/{BALLOON_ALIAS}"
-# A second QMP monitor for thinvm, next to libvirt's own: libvirt's
-# qemu-monitor-command spawns a client per call, too slow to watch a
-# migration that lasts a second.  In a directory the QEMU user (root or
-# libvirt-qemu) can write on every host; the path is the same on both ends
-# of a migration but each host has its own directory.
-MONITOR_DIR = "/var/lib/libvirt/qemu"
 VIRTIO_MEM_ALIAS = "ua-vmem0"
-
-
-def monitor_path(name: str) -> str:
-    return f"{MONITOR_DIR}/thinvm-{name}.qmp"
 
 
 @dataclass
@@ -81,7 +73,6 @@ class DomainSpec:
     # None for a domain that does not ask for sparse-ram.
     sparse_ram: str | None = "sparse-ram"
     extra_globals: list[str] = field(default_factory=list)
-    thinvm_monitor: bool = True
     # virtio-mem: how much the guest can grow beyond `memory` (0: none),
     # and how much of it is plugged at start.
     virtio_mem: int = 0
@@ -185,8 +176,6 @@ def _commandline(root: ET.Element, spec: DomainSpec) -> None:
     args: list[str] = []
     for value in globals_:
         args += ["-global", value]
-    if spec.thinvm_monitor:
-        args += ["-qmp", f"unix:{monitor_path(spec.name)},server=on,wait=off"]
     if not args:
         return
     cmd = ET.SubElement(root, f"{{{QEMU_NS}}}commandline")
