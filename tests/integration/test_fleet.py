@@ -11,6 +11,7 @@ import os
 import subprocess
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -131,6 +132,14 @@ def test_image_boots_with_the_dkms_driver(
     name = f"boot-{kernel.replace('.', '-')}"
     h = start(fleet, images, name, kernel=kernel)
     try:
+        # The images QEMU reads are installed outside /root, for anyone to read.
+        image = images[kernel]
+        assert image.directory.parent == guest.IMAGES_DIR, image
+        for path in (image.vmlinuz, image.initrd, image.disk):
+            assert path.stat().st_mode & 0o004, path
+        dom = ET.fromstring(virsh(h, "dumpxml", name))
+        assert dom.findtext("os/kernel") == str(image.vmlinuz)
+        assert dom.findtext("os/initrd") == str(image.initrd)
         client = guest.agent(h, name)
         try:
             info = guest.guest_info(client)

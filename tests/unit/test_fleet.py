@@ -1,13 +1,15 @@
 """Pure logic of thinvm.fleet: domain XML, host configuration, parsing."""
 
+import json
 import shutil
+import stat
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, migrate
+from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import (
     BALLOON_ALIAS,
     QEMU_NS,
@@ -207,6 +209,50 @@ def test_clusters_in_different_directories_use_different_namespaces(tmp_path: Pa
 def test_a_portable_domain_has_no_qemu_command_line(tmp_path: Path) -> None:
     root = parse(spec(ranges=False, sparse_ram=None, portable=True))
     assert root.find(f"{Q}commandline") is None
+
+
+def built_image(d: Path) -> Path:
+    d.mkdir(parents=True)
+    for name in ("disk.qcow2", "vmlinuz", "initrd.img"):
+        (d / name).write_bytes(name.encode() * 100)
+        (d / name).chmod(0o600)
+    meta = {"kernel": "6.1", "kernel_version": "6.1.0-x", "cmdline": "root=/dev/vda"}
+    (d / "image.json").write_text(json.dumps(meta))
+    return d
+
+
+def test_images_are_installed_world_readable_and_copied_only_when_changed(
+    tmp_path: Path,
+) -> None:
+    built = built_image(tmp_path / "cache" / "6.1-abc")
+    images = tmp_path / "images"
+    image = guest.install_image(built, images)
+    assert image.directory == images / "6.1-abc"
+    assert (image.kernel, image.kernel_version, image.cmdline) == (
+        "6.1",
+        "6.1.0-x",
+        "root=/dev/vda",
+    )
+    for path in (image.disk, image.vmlinuz, image.initrd):
+        assert path.read_bytes() == (built / path.name).read_bytes()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+    assert stat.S_IMODE(image.directory.stat().st_mode) == 0o755
+    before = {p.name: p.stat().st_ino for p in image.directory.iterdir()}
+    guest.install_image(built, images)  # unchanged: nothing copied
+    assert {p.name: p.stat().st_ino for p in image.directory.iterdir()} == before
+    (built / "initrd.img").write_bytes(b"a new initramfs")
+    guest.install_image(built, images)
+    assert image.initrd.read_bytes() == b"a new initramfs"
+    assert image.initrd.stat().st_ino != before["initrd.img"]
+    assert image.disk.stat().st_ino == before["disk.qcow2"]
+    assert not list(image.directory.glob(".*"))  # no temporary file left
+
+
+def test_an_incomplete_image_is_a_clear_error(tmp_path: Path) -> None:
+    built = built_image(tmp_path / "6.12-abc")
+    (built / "vmlinuz").unlink()
+    with pytest.raises(ThinvmError, match="vmlinuz missing"):
+        guest.install_image(built, tmp_path / "images")
 
 
 @pytest.mark.skipif(shutil.which("virsh") is None, reason="needs virsh (libvirt-clients)")

@@ -1,12 +1,18 @@
 """Debian guests on cluster hosts: the disk image, domains, the agent.
 
-A guest's disk is a qcow2 overlay in the cluster's shared directory, on
-top of the cached image built by guest/image/build-disk.sh: every host
+The image built by guest/image/build-disk.sh (kernel, initrd, base disk)
+is cached under ~/.cache/thinvm, which a system libvirtd's QEMU user
+(libvirt-qemu) cannot read; it is installed in /var/lib/thinvm/images
+(root-owned, world-readable, like Debian's /var/lib/libvirt/images), and
+domains name it there.  A guest's disk is a qcow2 overlay in the
+cluster's shared directory, on top of the installed image: every host
 sees the same path, so live migration needs no storage copy.
 """
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -24,6 +30,9 @@ from thinvm.paths import REPO
 from thinvm.units import MiB
 
 BOOT_TIMEOUT = 180.0
+# Where QEMU, whichever user it runs as, reads the guest images.
+IMAGES_DIR = Path("/var/lib/thinvm/images")
+IMAGE_FILES = ("disk.qcow2", "vmlinuz", "initrd.img", "image.json")
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,9 @@ class DiskImage:
         return self.directory / "initrd.img"
 
 
-def ensure_disk_image(kernel: str = "6.1") -> DiskImage:
-    """The Debian disk image for `kernel`, built if missing or stale."""
+def ensure_disk_image(kernel: str = "6.1", images: Path = IMAGES_DIR) -> DiskImage:
+    """The Debian disk image for `kernel`, built if missing or stale, and
+    installed in `images` (install_image)."""
     if kernel not in ("6.1", "6.12"):
         raise ThinvmError(f"--kernel {kernel}: want 6.1 or 6.12")
     proc = subprocess.run(
@@ -59,9 +69,36 @@ def ensure_disk_image(kernel: str = "6.1") -> DiskImage:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise ThinvmError(f"building the {kernel} disk image failed (see the messages above)")
-    directory = Path(lines[-1])
-    meta = json.loads((directory / "image.json").read_text())
-    return DiskImage(directory, kernel, str(meta["kernel_version"]), str(meta["cmdline"]))
+    return install_image(Path(lines[-1]), images)
+
+
+def install_image(built: Path, images: Path = IMAGES_DIR) -> DiskImage:
+    """Copy a built image directory (build-disk.sh's output) to
+    `images`/<its name>, which names the kernel and the hash of the
+    image's inputs: root-owned, directories 0755 and files 0644, so QEMU
+    reads them as libvirt-qemu too.  A file is copied only when its size
+    or modification time differ from the copy's (copies keep the
+    original's), and replaced atomically: a running guest keeps the file
+    it opened."""
+    dest = images / built.name
+    dest.mkdir(parents=True, exist_ok=True)
+    for d in (images, dest):
+        d.chmod(0o755)
+    for name in IMAGE_FILES:
+        src, dst = built / name, dest / name
+        if not src.is_file():
+            raise ThinvmError(f"{src} missing: rebuild with guest/image/build-disk.sh")
+        have = dst.stat() if dst.is_file() else None
+        want = src.stat()
+        if have and (have.st_size, have.st_mtime_ns) == (want.st_size, want.st_mtime_ns):
+            continue
+        tmp = dest / f".{name}.tmp"
+        shutil.copyfile(src, tmp)
+        tmp.chmod(0o644)
+        os.utime(tmp, ns=(want.st_atime_ns, want.st_mtime_ns))
+        tmp.replace(dst)
+    meta = json.loads((dest / "image.json").read_text())
+    return DiskImage(dest, str(meta["kernel"]), str(meta["kernel_version"]), str(meta["cmdline"]))
 
 
 @dataclass(frozen=True)
