@@ -8,6 +8,7 @@ QEMU, h3 runs stock QEMU behind the same emulator path (an older host).
 
 import json
 import os
+import pwd
 import subprocess
 import threading
 import time
@@ -116,6 +117,15 @@ def qemu_pids_in(h: Host) -> list[int]:
     return [int(p) for p in pids.split() if is_qemu(int(p))]
 
 
+def qemu_user(h: Host, name: str) -> str:
+    """Whom the domain's QEMU runs as (its real and effective user)."""
+    pid = guest.qemu_pid(h, name)
+    status = Path(f"/proc/{pid}/status").read_text()
+    (uids,) = [line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")]
+    assert len(set(uids)) == 1, uids
+    return pwd.getpwuid(int(uids[0])).pw_name
+
+
 def is_qemu(pid: int) -> bool:
     """A process listed a moment ago may have exited since (a killed QEMU,
     a short-lived helper): that is not a QEMU, not an error."""
@@ -165,6 +175,7 @@ def test_setmem_migrate_back_and_forth_save_restore(
     try:
         # thinvm reads its counters through libvirt: no monitor of its own.
         assert "-qmp" not in virsh(h1, "dumpxml", name)
+        assert qemu_user(h1, name) == cluster.QEMU_USER  # Debian's default, not root
         in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 11")
         # virsh setmem drives our driver by page ranges.
         virsh(h1, "setmem", name, "320M", "--live")
@@ -196,6 +207,7 @@ def test_setmem_migrate_back_and_forth_save_restore(
         assert guest.domstate(h1, name) == "shut off" and not qemu_pids_in(h1)
         virsh(h1, "restore", str(save))
         verify_pattern(h1, name, 11)
+        assert qemu_user(h1, name) == cluster.QEMU_USER
     finally:
         save.unlink(missing_ok=True)
         remove(h1, name)

@@ -152,6 +152,9 @@ def test_host_config_listens_only_on_its_own_address(tmp_path: Path) -> None:
     assert 'migration_address = "10.217.0.2"' in qconf
     assert f'shared_filesystems = [ "{tmp_path}/shared" ]' in qconf
     assert "migrate_tls_force = 1" in qconf
+    # QEMU as Debian's default user, files chowned to it by libvirt.
+    assert "user =" not in qconf and "group =" not in qconf
+    assert "dynamic_ownership" not in qconf
 
 
 def test_a_no_tls_cluster_listens_on_plain_tcp(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The cluster's certificates: real openssl, checked with openssl."""
 
+import os
 import stat
 import subprocess
 from pathlib import Path
@@ -47,3 +48,20 @@ def test_a_certificate_from_another_ca_does_not_verify(tmp_path: Path) -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
+
+
+def test_qemus_group_reads_its_keys_and_nothing_else(tmp_path: Path) -> None:
+    """QEMU, run as libvirt-qemu, opens /etc/pki/qemu itself; libvirtd's
+    keys stay root's."""
+    ca = pki.make_ca(tmp_path / "cluster")
+    tree = tmp_path / "h1" / "pki"
+    gid = os.getgid()  # the test's own group stands for libvirt-qemu's
+    pki.host_tree(tree, ca, "10.217.0.1", "thinvm-h1", qemu_gid=gid)
+    qemu = tree / "qemu"
+    assert (stat.S_IMODE(qemu.stat().st_mode), qemu.stat().st_gid) == (0o750, gid)
+    for key in ("server-key.pem", "client-key.pem"):
+        st = (qemu / key).stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o640, gid), key
+    private = tree / "libvirt" / "private"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert stat.S_IMODE((private / "serverkey.pem").stat().st_mode) == 0o600

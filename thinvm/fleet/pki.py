@@ -18,6 +18,9 @@ A host's certificates name its address (IP subject alternative name) and
 its host name, so a peer connecting to qemu+tls://ADDRESS/system and a
 QEMU migrating to ADDRESS both verify them.  The CA key stays in the
 cluster directory, readable by root only, and never enters a host tree.
+QEMU reads /etc/pki/qemu itself, as the user libvirt runs it as
+(libvirt-qemu): that directory and its keys belong to root and QEMU's
+group (0750, 0640), as libvirt's TLS documentation asks.
 """
 
 import os
@@ -99,8 +102,11 @@ def issue(
         )  # fmt: skip
 
 
-def host_tree(pki: Path, ca: tuple[Path, Path], address: str, hostname: str) -> None:
-    """Write one host's /etc/pki (see the module docstring)."""
+def host_tree(
+    pki: Path, ca: tuple[Path, Path], address: str, hostname: str, qemu_gid: int | None = None
+) -> None:
+    """Write one host's /etc/pki (see the module docstring); `qemu_gid`:
+    the group QEMU runs as, given read access to /etc/pki/qemu."""
     ca_cert = ca[0].read_bytes()
     private = pki / "libvirt" / "private"
     qemu = pki / "qemu"
@@ -117,3 +123,9 @@ def host_tree(pki: Path, ca: tuple[Path, Path], address: str, hostname: str) -> 
         copy = qemu / f"{role}-key.pem"
         copy.write_bytes(key.read_bytes())
         copy.chmod(0o600)
+    if qemu_gid is not None:
+        os.chown(qemu, -1, qemu_gid)
+        qemu.chmod(0o750)
+        for key in qemu.glob("*-key.pem"):
+            os.chown(key, -1, qemu_gid)
+            key.chmod(0o640)
