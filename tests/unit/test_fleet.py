@@ -256,6 +256,9 @@ def test_an_incomplete_image_is_a_clear_error(tmp_path: Path) -> None:
     (built / "vmlinuz").unlink()
     with pytest.raises(ThinvmError, match="vmlinuz missing"):
         guest.install_image(built, tmp_path / "images")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ThinvmError, match="cannot install the guest image in"):
+        guest.install_image(built_image(tmp_path / "6.1-abc"), tmp_path / "a-file" / "images")
 
 
 @pytest.mark.skipif(shutil.which("virsh") is None, reason="needs virsh (libvirt-clients)")

@@ -80,9 +80,19 @@ def install_image(built: Path, images: Path = IMAGES_DIR) -> DiskImage:
     or modification time differ from the copy's (copies keep the
     original's), and replaced atomically: a running guest keeps the file
     it opened."""
-    dest = images / built.name
+    try:
+        return _install_image(built, images / built.name)
+    except PermissionError as exc:
+        raise ThinvmError(
+            f"cannot install the guest image in {images}: {exc} (run as root)"
+        ) from exc
+    except OSError as exc:
+        raise ThinvmError(f"cannot install the guest image in {images}: {exc}") from exc
+
+
+def _install_image(built: Path, dest: Path) -> DiskImage:
     dest.mkdir(parents=True, exist_ok=True)
-    for d in (images, dest):
+    for d in (dest.parent, dest):
         d.chmod(0o755)
     for name in IMAGE_FILES:
         src, dst = built / name, dest / name
