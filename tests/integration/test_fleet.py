@@ -9,6 +9,7 @@ QEMU, h3 runs stock QEMU behind the same emulator path (an older host).
 import json
 import os
 import pwd
+import re
 import subprocess
 import threading
 import time
@@ -35,6 +36,9 @@ pytestmark = [
 MEMORY = 512 * MiB
 PATTERN = "/dev/shm/thinvm-fleet-pattern"
 PATTERN_MIB = 48
+# A file on the guest's disk, read once: cold page cache for `--trim`.
+COLD_FILE = "/var/tmp/thinvm-fleet-cold"
+COLD_MIB = 256
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +172,10 @@ def test_image_boots_with_the_dkms_driver(
 def test_setmem_migrate_back_and_forth_save_restore(
     fleet: ClusterState, images: dict[str, guest.DiskImage]
 ) -> None:
+    """setmem by page ranges; h1 -> h2 -> h1 -> h2, the last one `thinvm
+    fleet migrate --trim` (issue 20): the guest reads a file of its disk
+    once in between, and the trimmed migration sends clearly less than the
+    untrimmed one before it; then save and restore."""
     name = "mover"
     h1, h2 = fleet.host("h1"), fleet.host("h2")
     save = cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.save"
@@ -197,21 +205,54 @@ def test_setmem_migrate_back_and_forth_save_restore(
         sent = migrate.job_bytes(there.job)
         assert sent is not None and sent < MEMORY, there.job
 
+        # Cold page cache: a file written to the disk, dropped from the
+        # cache, then read back once (so it is inactive, below no floor).
+        in_guest(h2, name, f"thinvm-mem pattern write {COLD_FILE} {COLD_MIB} --seed 5 "
+                 f">/dev/null && sync && echo 1 >/proc/sys/vm/drop_caches && "
+                 f"cat {COLD_FILE} >/dev/null")  # fmt: skip
         back = migrate.migrate(h2, h1, name)
         assert guest.domstate(h1, name) == "running" and guest.domstate(h2, name) == "absent"
         verify_pattern(h1, name, 11)
         assert back.ram.get("sparse-skipped", 0) > 0, back.ram
+        untrimmed = migrate.job_bytes(back.job)
+        assert untrimmed is not None, back.job
+
+        # What users run: the guest gives the cold cache back, reporting
+        # returns it to the host, then the migration leaves it out.
+        trim = thinvm_cli("fleet", "migrate", name, "--to", "h2", "--trim", "--json")
+        assert trim.returncode == 0, trim.stderr
+        assert guest.domstate(h2, name) == "running" and guest.domstate(h1, name) == "absent"
+        verify_pattern(h2, name, 11)
+        reported = trim_report(trim.stderr, name)
+        trimmed = migrate.job_bytes(json.loads(trim.stdout)["libvirt"])
+        assert trimmed is not None, trim.stdout
+        print(f"untrimmed {untrimmed / MiB:.1f} MiB, trimmed {trimmed / MiB:.1f} MiB; "
+              f"{trim.stderr.strip()}")  # fmt: skip
+        assert reported["reclaimed"] >= COLD_MIB * MiB // 2, trim.stderr
+        assert reported["returned"] >= 100 * MiB, trim.stderr
+        assert trimmed <= untrimmed - 100 * MiB, (untrimmed, trimmed, trim.stderr)
 
         # virsh save / restore, every feature still on.
-        virsh(h1, "save", name, str(save))
-        assert guest.domstate(h1, name) == "shut off" and not qemu_pids_in(h1)
-        virsh(h1, "restore", str(save))
-        verify_pattern(h1, name, 11)
-        assert qemu_user(h1, name) == cluster.QEMU_USER
+        virsh(h2, "save", name, str(save))
+        assert guest.domstate(h2, name) == "shut off" and not qemu_pids_in(h2)
+        virsh(h2, "restore", str(save))
+        verify_pattern(h2, name, 11)
+        assert qemu_user(h2, name) == cluster.QEMU_USER
     finally:
         save.unlink(missing_ok=True)
         remove(h1, name)
         remove(h2, name)
+
+
+def trim_report(stderr: str, name: str) -> dict[str, int]:
+    """What `fleet migrate --trim --json` said the trim did (its line on
+    stderr): bytes the guest reclaimed and the host got back."""
+    size = r"(-?[\d.]+ (?:[KMGT]i)?B)"
+    match = re.search(rf"^{name}: guest reclaimed {size} .* \({size} returned", stderr, re.M)
+    assert match, f"no trim report in: {stderr}"
+    sizes = [migrate.job_bytes({"Data processed": m}) for m in match.groups()]
+    assert None not in sizes, match.group(0)
+    return {"reclaimed": sizes[0] or 0, "returned": sizes[1] or 0}
 
 
 def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
