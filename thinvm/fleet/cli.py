@@ -122,6 +122,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     source = guest.find_guest(state, args.name)
     dest = state.host(args.to)
+    trimmed = None
     if args.trim:
         trimmed = guest.trim(source, args.name)
         if trimmed.trimmed:
@@ -132,6 +133,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     result = migrate.migrate(source, dest, args.name, parallel=args.parallel)
     data = result.summary()
     data["balloon"] = migrate.balloon_counters(dest, args.name)
+    if trimmed is not None:
+        data["trim"] = trimmed.to_json()
     skipped = data["sparse-skipped"]
     _print_json_or(
         args,
