@@ -15,8 +15,8 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
 - a portable guest (one that also runs on hosts still on stock QEMU):
   no page ranges and no sparse-ram in the XML, and
   `<metadata><thinvm:guest portable="yes"/></metadata>`, which libvirt
-  keeps across migrations, so `thinvm fleet migrate` knows to ask the
-  source for sparse-ram over multifd;
+  keeps across migrations, so `thinvm fleet migrate` knows to keep the
+  capability off (over multifd thinvm's QEMU skips without it, 0024);
 - virtio-mem (docs/resize.md): libvirt's `<memory model='virtio-mem'>`,
   which needs `<maxMemory>` and a guest NUMA node; resized with
   `virsh update-memory-device NAME --alias ua-vmem0 --requested-size SIZE`.

@@ -119,9 +119,9 @@ class GuestSpec:
     build: str = "patched"  # whose emulator path the domain names
     thinvm: bool = True  # ranges + sparse-ram (False: stock's best)
     # Runs on stock hosts too (a cluster being upgraded): no page ranges,
-    # which the guest sees and a stock QEMU lacks, and sparse-ram asked of
-    # the source per migration (migrate.migrate) instead of in the XML,
-    # which a stock QEMU would refuse to start with.
+    # which the guest sees and a stock QEMU lacks, and no sparse-ram in the
+    # XML, which a stock QEMU would refuse to start with: over multifd
+    # thinvm's QEMU skips without it (QEMU 0024).
     portable: bool = False
     hint: bool = True  # free page hinting (QEMU's, on an iothread)
     virtio_mem: int = 0  # docs/resize.md; 0: no virtio-mem device

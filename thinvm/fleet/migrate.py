@@ -261,26 +261,20 @@ class _SourcePoller(threading.Thread):
             self.stop.wait(POLL_INTERVAL)
 
 
-def set_sparse_ram(source: Host, name: str, on: bool) -> bool:
-    """Set sparse-ram in the source QEMU of a portable guest, if it has the
-    capability.
+def clear_sparse_ram(source: Host, name: str) -> None:
+    """Turn the sparse-ram capability off in the source QEMU of a portable
+    guest, where it is on (set by hand, or by an older thinvm).
 
-    On for multifd only: there any destination, a stock QEMU included,
-    takes the pages the source leaves out to be zero, as it does for zero
-    pages (QEMU patch 0023), so a guest can leave a thinvm host for one
-    not yet upgraded and keep the skipping.  Off otherwise, also when an
-    earlier multifd migration that failed left it on: over the main
-    channel the destination must take part, and a stock one would refuse
-    the stream.  libvirt sets only the capabilities it knows, so this one
-    stays as set here.  Returns whether it is on."""
+    A portable guest needs no capability: over multifd thinvm's QEMU leaves
+    unpopulated pages out by itself (QEMU 0024, x-sparse-ram-multifd), for
+    any destination, a stock QEMU included (0023).  Over the main channel
+    the capability would ask the destination to take part, and a stock
+    one refuses the stream."""
     cap = emulator.sparse_ram_capability()
     caps = {c["capability"]: c["state"] for c in qmp(source, name, "query-migrate-capabilities")}
-    if cap not in caps:
-        return False  # a stock source: nothing to skip with
-    if caps[cap] != on:
+    if caps.get(cap):
         qmp(source, name, "migrate-set-capabilities",
-            capabilities=[{"capability": cap, "state": on}])  # fmt: skip
-    return on
+            capabilities=[{"capability": cap, "state": False}])  # fmt: skip
 
 
 def parse_jobinfo(text: str) -> dict[str, str]:
@@ -313,7 +307,7 @@ def migrate(
         # multifd; its zero-page detection is QEMU's default.
         args += ["--parallel", "--parallel-connections", str(parallel)]
     if is_portable(virsh(source, "dumpxml", name)):
-        set_sparse_ram(source, name, on=bool(parallel))
+        clear_sparse_ram(source, name)
     args += [*extra, name, destination.peer_uri]
     poller = _SourcePoller(source, name)
     poller.start()
