@@ -76,8 +76,10 @@ setup_venv() {
 point_venv_here() {
 	local where
 	# From /: python would otherwise import ./thinvm and see no difference.
+	# A checkout that installed it and was then removed: nothing imports.
 	where=$(cd / && "$venv/bin/python3" -c \
-		'import thinvm, os; print(os.path.dirname(os.path.dirname(thinvm.__file__)))')
+		'import thinvm, os; print(os.path.dirname(os.path.dirname(thinvm.__file__)))' \
+		2>/dev/null) || where=
 	if [ "$where" != "$top" ]; then
 		"$venv/bin/pip" install -q --no-deps -e "$top" >&2
 	fi
