@@ -3,10 +3,11 @@
 A guest touches and frees most of its memory, writes a pattern, inflates
 and deflates its balloon, and live-migrates; the destination verifies the
 pattern.  The stock side is the best a user can configure on Debian's
-QEMU and the in-tree balloon driver: free page reporting, free page
-hinting and multifd with its zero-page detection.  The thinvm stack is
-the patched QEMU with our driver, page-range ballooning, free page
-reporting, hinting and sparse-ram over the same multifd transport.  Both
+QEMU and the in-tree balloon driver: free page reporting and multifd
+with its zero-page detection (not free page hinting, which measured
+slower: thinvm.vm.stack).  The thinvm stack is the patched QEMU with our
+driver, page-range ballooning, free page reporting and sparse-ram over
+the same multifd transport.  Both
 migrate over loopback with QEMU's 128 MiB/s bandwidth cap lifted, so the
 table measures the migration, not the cap.  The host memory column shows
 what the guest gave back at each step.

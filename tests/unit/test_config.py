@@ -45,10 +45,12 @@ def test_stacks_set_the_balloon_device() -> None:
         return dev
 
     thinvm_dev = device(VMConfig(balloon=THINVM.balloon(deflate_on_oom=True)))
-    for prop in ("x-ranges=on", "free-page-reporting=on", "free-page-hint=on", "deflate-on-oom=on"):
+    for prop in ("x-ranges=on", "free-page-reporting=on", "deflate-on-oom=on"):
         assert prop in thinvm_dev
     stock_dev = device(VMConfig(balloon=STOCK_BEST.balloon()))
-    assert "free-page-hint=on" in stock_dev and "free-page-reporting=on" in stock_dev
+    assert "free-page-reporting=on" in stock_dev
+    # Neither hints: it measured slower once reporting runs (thinvm.vm.stack).
+    assert "free-page-hint" not in thinvm_dev and "free-page-hint" not in stock_dev
     assert "ranges" not in stock_dev
     # Both migrate over multifd: the comparison is with stock's best transport.
     assert THINVM.caps == {"sparse-ram": True, "multifd": True}

@@ -66,7 +66,7 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
             Variant(
                 "small-stock-best",
                 variant(False, STOCK_BEST),
-                f"a {format_size(small)} guest, no balloon; stock-hint-mfd2's configuration",
+                f"a {format_size(small)} guest, no balloon; stock-mfd2's configuration",
             ),
         ],
         best=best,

@@ -100,7 +100,7 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
             Variant(
                 "no-migration",
                 variant(False, STOCK_BEST),
-                "the workload alone (stock-hint-mfd2's stack)",
+                "the workload alone (stock-mfd2's stack)",
             ),
         ],
         best=best,

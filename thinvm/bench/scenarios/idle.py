@@ -102,7 +102,7 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
                 "thinvm-stock-driver",
                 idle_migration(opts, size, THINVM_STOCK_DRIVER, transport, idle, used),
                 "patched QEMU, sparse-ram, multifd (2 channels); the guest kernel's own "
-                "driver with hinting + reporting, no page ranges (diagnostic)",
+                "driver with reporting, no page ranges (diagnostic)",
             ),
         ],
         best=best,
@@ -137,16 +137,24 @@ def make_migrate_hinting(opts: BenchOptions, params: dict[str, str], size: int) 
     used = used_bytes(params, size)
     transport = Transport(opts.net)
     stacks = [
-        ("stock-best", STOCK_BEST, "stock QEMU and driver; hinting + reporting, multifd"),
+        (
+            "stock-best",
+            replace(STOCK_BEST, hint=True),
+            "stock QEMU and driver; hinting + reporting, multifd",
+        ),
         (
             "stock-best-no-hinting",
-            replace(STOCK_BEST, hint=False),
+            STOCK_BEST,
             "stock QEMU and driver; reporting, multifd",
         ),
-        ("thinvm", THINVM, "patched QEMU, our driver; hinting + reporting + ranges, sparse-ram"),
+        (
+            "thinvm",
+            replace(THINVM, hint=True),
+            "patched QEMU, our driver; hinting + reporting + ranges, sparse-ram",
+        ),
         (
             "thinvm-no-hinting",
-            replace(THINVM, hint=False),
+            THINVM,
             "patched QEMU, our driver; reporting + ranges, sparse-ram, multifd",
         ),
     ]

@@ -39,7 +39,7 @@ POSTCOPY_STACKS: list[tuple[str, Stack, bool, str]] = [
         "stock-best",
         STOCK_BEST,
         False,
-        "stock QEMU and driver; hinting + reporting, precopy over multifd (the baseline)",
+        "stock QEMU and driver; reporting, precopy over multifd (the baseline)",
     ),
     (
         "postcopy-stock",
@@ -50,7 +50,7 @@ POSTCOPY_STACKS: list[tuple[str, Stack, bool, str]] = [
     ),
     (
         "postcopy-thinvm",
-        replace(THINVM, hint=False, multifd=False),
+        replace(THINVM, multifd=False),
         True,
         "patched QEMU, our driver; reporting + page ranges, sparse-ram, postcopy",
     ),

@@ -38,13 +38,13 @@ SAVE_STACKS: list[tuple[str, Stack, dict[str, bool], str]] = [
         "stock-best",
         STOCK_BEST,
         {"mapped-ram": True},
-        "stock QEMU and driver; hinting + reporting, mapped-ram over multifd (2 channels)",
+        "stock QEMU and driver; reporting, mapped-ram over multifd (2 channels)",
     ),
     (
         "thinvm",
         THINVM,
         {"mapped-ram": True},
-        "patched QEMU, our driver; hinting + reporting + ranges, sparse-ram, mapped-ram "
+        "patched QEMU, our driver; reporting + ranges, sparse-ram, mapped-ram "
         "over multifd (2 channels)",
     ),
     ("legacy", LEGACY, {}, "stock QEMU and driver, no extras, one stream (reference)"),

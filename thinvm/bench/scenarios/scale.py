@@ -217,10 +217,10 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
     # Compression against none on fixed stacks: what pays is the question
     # here, not which stock configuration is best.
     stacks = {
-        "stock-best": (STOCK_BEST, "stock QEMU and driver; hinting + reporting, multifd"),
+        "stock-best": (STOCK_BEST, "stock QEMU and driver; reporting, multifd"),
         "thinvm": (
             THINVM,
-            "patched QEMU, our driver; hinting + reporting + page ranges, sparse-ram, "
+            "patched QEMU, our driver; reporting + page ranges, sparse-ram, "
             "multifd (2 channels)",
         ),
     }
