@@ -67,7 +67,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     host = state.host(args.host)
     image = guest.ensure_disk_image(args.kernel)
-    spec = guest.spec_for(_guest_spec(args), image, cluster.shared_dir(cluster.cluster_dir()))
+    # A package-installed host: thinvm-qemu where installed, else Debian's.
+    binary = emulator.packaged_emulator(host.uri) if host.packaged else None
+    shared = cluster.shared_dir(cluster.cluster_dir())
+    spec = guest.spec_for(_guest_spec(args), image, shared, binary)
     guest.define(host, spec, image)
     try:
         cluster.virsh(host, "start", args.name)
@@ -170,10 +173,22 @@ def cmd_counters(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
-    state = cluster.up(args.hosts, args.link, args.stock or (), tls=args.tls)
+    state = cluster.up(
+        args.hosts, args.link, args.stock or (), tls=args.tls, packaged=args.packaged
+    )
     for h in state.hosts:
-        print(f"{h.name}  {h.address}  {h.flavour:7}  virsh -c '{h.uri}'")
+        print(f"{h.name}  {h.address}  {cluster.host_flavour(h):7}  virsh -c '{h.uri}'")
     return 0
+
+
+def cmd_cluster_exec(args: argparse.Namespace) -> int:
+    """A command as root of a packaged host (e.g. apt-get install thinvm-qemu)."""
+    if not args.command:
+        raise ThinvmError("nothing to run: thinvm cluster exec HOST -- COMMAND...")
+    proc = cluster.host_run(cluster.load_state(), args.host, args.command)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
 
 
 def cmd_cluster_down(args: argparse.Namespace) -> int:
@@ -192,10 +207,12 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
             up = True
         except ThinvmError:
             doms, up = [], False
-        hosts.append({"host": h.name, "address": h.address, "qemu": h.flavour, "up": up,
-                      "domains": doms, "uri": h.uri, "peer_uri": h.peer_uri})  # fmt: skip
+        flavour = cluster.host_flavour(h)
+        hosts.append({"host": h.name, "address": h.address, "qemu": flavour, "up": up,
+                      "packaged": h.packaged, "domains": doms, "uri": h.uri,
+                      "peer_uri": h.peer_uri})  # fmt: skip
         lines.append(
-            f"{h.name}  {h.address}  {h.flavour:7}  {'up' if up else 'DOWN'}  "
+            f"{h.name}  {h.address}  {flavour:7}  {'up' if up else 'DOWN'}  "
             f"domains: {', '.join(doms) or '-'}"
         )
     lines.append(f"link: {state.link or 'unlimited'}")
@@ -316,7 +333,21 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--no-tls", dest="tls", action="store_false",
                    help="plain TCP between hosts, no authentication (to measure what TLS "
                         "costs; never on a real network)")  # fmt: skip
+    p.add_argument(
+        "--packaged",
+        action="store_true",
+        help="hosts are Debian installs (own root filesystem, Debian's libvirt and QEMU, "
+        "thinvm-qemu installed with apt except on --stock hosts); docs/fleet.md",
+    )
     p.set_defaults(func=cmd_cluster_up)
+    p = csub.add_parser(
+        "exec",
+        help="run a command as root on a packaged host (its root, its namespaces)",
+        description="e.g. thinvm cluster exec h2 -- apt-get install -y thinvm-qemu",
+    )
+    p.add_argument("host")
+    p.add_argument("command", nargs="*", help="the command, after '--'")
+    p.set_defaults(func=cmd_cluster_exec)
     p = csub.add_parser("down", help="remove every host, daemon and guest; idempotent")
     p.set_defaults(func=cmd_cluster_down)
     p = csub.add_parser("status", help="hosts, their daemons and domains")

@@ -14,6 +14,20 @@ a token bucket (`--link 10gbit`).  All traffic stays inside these
 namespaces; the control plane talks to each libvirtd through its unix
 socket, which the bind mount makes visible from outside.
 
+Packaged hosts (`up --packaged`) are real Debian installs instead: each
+host's root filesystem is an overlay on the cached root of
+packaging/host-root.sh (Debian 12 with libvirt 11.3 and Debian's own
+qemu-system-x86 from bookworm-backports), its packaged libvirtd and
+virtlogd run chrooted into it, with its packaged /etc/libvirt where only
+the listener, TLS, host UUID, migration address and shared storage
+settings are added, QEMU as libvirt-qemu with dynamic ownership.  thinvm's
+packages are installed in it with apt from the local repository
+(packaging/build-debs.sh), bind-mounted at /srv/thinvm-apt.  The overlay
+is mounted on the machine (the control plane reaches the daemon's socket
+and QEMU's channels through it); /proc, /sys, /dev, the shared storage,
+the guest images and the repository are mounted inside the host's own
+mount namespace only.
+
 The state (hosts, addresses, pids) is in <cluster dir>/state.json, so
 `down` works after a crash; it also removes any namespace with our
 prefix that the state file does not know about.
@@ -36,6 +50,7 @@ from pathlib import Path
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator, pki
+from thinvm.paths import REPO, cache_dir
 from thinvm.progress import ProgressLine
 
 NS_PREFIX = "thinvm-"  # + "h1".."hN" and "fabric"; see ns_prefix()
@@ -54,6 +69,14 @@ START_TIMEOUT = 60.0  # a first connection waits for libvirtd to probe its QEMU 
 # Whom libvirt runs QEMU as: Debian's defaults (qemu.conf user, group).
 QEMU_USER = "libvirt-qemu"
 QEMU_GROUP = "libvirt-qemu"
+# Packaged hosts: where the local apt repository appears in a host's
+# root, and the sources line that names it (docs/install.md).
+APT_REPO_DIR = "/srv/thinvm-apt"
+APT_SOURCE = f"deb [trusted=yes] file:{APT_REPO_DIR} ./\n"
+APT_LIST = "/etc/apt/sources.list.d/thinvm.list"
+# Guest images, at the same path in every host's root (thinvm.fleet.guest).
+IMAGES_DIR = "/var/lib/thinvm/images"
+HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def cluster_dir() -> Path:
@@ -91,9 +114,19 @@ class Host:
     root: str  # the host's directory (libvirt trees)
     netns: str
     tls: bool = True  # False: plain TCP without authentication (`up --no-tls`)
+    # A real Debian install (`up --packaged`): its own root filesystem with
+    # Debian's libvirt and QEMU; thinvm's packages installed with apt.
+    packaged: bool = False
+
+    @property
+    def rootfs(self) -> Path:
+        """A packaged host's root filesystem, as the machine sees it."""
+        return Path(self.root) / "root"
 
     @property
     def socket(self) -> Path:
+        if self.packaged:
+            return self.rootfs / "run" / "libvirt" / "libvirt-sock"
         return Path(self.root) / "run" / "libvirt-sock"
 
     @property
@@ -116,6 +149,8 @@ class Host:
         trees (e.g. an agent socket under /var/lib/libvirt)."""
         for key, inside in LIBVIRT_DIRS.items():
             if path == inside or path.startswith(inside + "/"):
+                if self.packaged:
+                    return self.rootfs / path.lstrip("/")
                 return Path(self.root) / key / path[len(inside) + 1 :]
         return Path(path)
 
@@ -156,7 +191,7 @@ def _listener(tls: bool) -> str:
         "# Peers reach this host over TLS only, and must show a client certificate\n"
         "# of the cluster CA (tls_no_verify_certificate stays 0); the certificate\n"
         "# is the authentication, so no SASL on top.  The unix socket is reached\n"
-        "# only by root, through the bind mount of /run/libvirt.\n"
+        "# only by root, from the machine through the host's directory.\n"
         'listen_tls = 1\nlisten_tcp = 0\nauth_tls = "none"\n'
     )
 
@@ -210,7 +245,89 @@ def host_script(host: Host, patched_dir: Path, stock_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_hosts(count: int, root: Path, stock: Sequence[str] = (), tls: bool = True) -> list[Host]:
+# -- packaged hosts (pure parts) ----------------------------------------------
+
+
+def packaged_libvirtd_conf(host: Host) -> str:
+    """What `up --packaged` appends to the host's packaged
+    /etc/libvirt/libvirtd.conf (every line of Debian's is a comment)."""
+    return f"""
+# thinvm cluster host {host.name}: added by `thinvm cluster up --packaged`.
+# The listener (started with --listen), on this host's address only.
+{_listener(host.tls)}listen_addr = "{host.address}"
+# Debian's default is polkit, which needs a D-Bus system bus this host does
+# not run; the socket is then root-only (mode 0700).
+auth_unix_rw = "none"
+host_uuid = "{host.host_uuid}"
+log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
+"""
+
+
+def packaged_qemu_conf(host: Host, shared: Path) -> str:
+    """What `up --packaged` appends to the host's packaged qemu.conf: the
+    migration address, TLS on every migration stream, and the cluster's
+    shared storage.  Everything else stays Debian's: QEMU as libvirt-qemu,
+    dynamic ownership, namespaces, virtlogd for the console; no cgroups
+    and no AppArmor because this host has neither mounted (no systemd,
+    no securityfs), which libvirt finds out for itself."""
+    tls = _MIGRATE_TLS if host.tls else ""
+    return f"""
+# thinvm cluster host {host.name}: added by `thinvm cluster up --packaged`.
+migration_address = "{host.address}"
+migration_host = "{host.address}"
+{tls}# Guest disks: storage every host mounts at this path, as NFS would
+# be; libvirt recognises NFS by itself, a local filesystem it must be
+# told (no storage copy in a migration).  No ownership xattrs on those
+# shared files (libvirt gives them back to root instead), as on NFS.
+shared_filesystems = [ "{shared}" ]
+remember_owner = 0
+"""
+
+
+def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> str:
+    """The shell that turns a fresh mount+UTS namespace into a packaged
+    host and execs its libvirtd, chrooted into the host's root."""
+    r = host.rootfs
+    lines = [
+        "set -e",
+        "mount --make-rprivate /",
+        f"hostname {host.hostname}",
+        f"mount -t proc proc {r}/proc",
+        f"mount -t sysfs sysfs {r}/sys",
+        f"mount --rbind /dev {r}/dev",
+        f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {r}/dev/shm",
+        # Shared storage and images at the same path as on every host.
+        f"mkdir -p {r}{shared} {r}{images} {r}{APT_REPO_DIR}",
+        f"mount --bind {shared} {r}{shared}",
+        f"mount --bind {images} {r}{images}",
+        f"mount --bind {repo} {r}{APT_REPO_DIR}",
+        f"mount -o remount,bind,ro {r}{APT_REPO_DIR}",
+        "ip link set lo up",
+        f"export PATH={HOST_PATH}",
+        # Debian's daemons as packaged, with their packaged configuration
+        # files and pid files; virtlogd takes the guests' consoles.
+        f"chroot {r} /usr/sbin/virtlogd -d || echo 'virtlogd: not started (still running?)'",
+        f"exec chroot {r} /usr/sbin/libvirtd --listen",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def overlay_options(lower: Path, host_dir: Path) -> str:
+    return f"lowerdir={lower},upperdir={host_dir / 'upper'},workdir={host_dir / 'work'}"
+
+
+def group_id(etc_group: str, name: str) -> int:
+    """A group's id in a host's /etc/group (its own, not the machine's)."""
+    for line in etc_group.splitlines():
+        fields = line.split(":")
+        if len(fields) >= 3 and fields[0] == name:
+            return int(fields[2])
+    raise ThinvmError(f"no group {name!r} in the host's /etc/group")
+
+
+def plan_hosts(
+    count: int, root: Path, stock: Sequence[str] = (), tls: bool = True, packaged: bool = False
+) -> list[Host]:
     if not 1 <= count <= 16:
         raise ThinvmError(f"--hosts {count}: want 1 to 16")
     names = [f"h{i}" for i in range(1, count + 1)]
@@ -227,6 +344,7 @@ def plan_hosts(count: int, root: Path, stock: Sequence[str] = (), tls: bool = Tr
             root=str(root / "hosts" / name),
             netns=f"{ns_prefix(root)}{name}",
             tls=tls,
+            packaged=packaged,
         )
         for i, name in enumerate(names, start=1)
     ]
@@ -318,10 +436,57 @@ def _write_host_tree(h: Host, ca: tuple[Path, Path] | None) -> None:
     (root / "etc" / "qemu.conf").write_text(qemu_conf(h, shared_dir(root.parent.parent)))
 
 
+def host_root_lower() -> Path:
+    """The cached root filesystem of packaged hosts (packaging/host-root.sh
+    builds it once: Debian 12, libvirt, Debian's QEMU)."""
+    proc = subprocess.run(
+        [str(REPO / "packaging" / "host-root.sh")],
+        stdout=subprocess.PIPE, text=True, check=False,
+    )  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ThinvmError("packaging/host-root.sh failed (see the messages above)")
+    return Path(lines[-1])
+
+
+def apt_repo() -> Path:
+    """The local apt repository (packaging/build-debs.sh), brought up to date."""
+    proc = subprocess.run(
+        [str(REPO / "packaging" / "build-debs.sh")],
+        stdout=subprocess.PIPE, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ThinvmError("packaging/build-debs.sh failed (see the messages above)")
+    return cache_dir() / "apt-repo"
+
+
+def _write_packaged_host(h: Host, ca: tuple[Path, Path] | None, lower: Path) -> None:
+    """Mount the host's overlay root and add our settings to its packaged
+    configuration, its certificates and the repository's sources line."""
+    d = Path(h.root)
+    for sub in ("upper", "work", "root"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    _run(["mount", "-t", "overlay", "overlay", "-o", overlay_options(lower, d), str(h.rootfs)],
+         f"mounting the root of {h.name}")  # fmt: skip
+    r = h.rootfs
+    with (r / "etc/libvirt/libvirtd.conf").open("a") as f:
+        f.write(packaged_libvirtd_conf(h))
+    with (r / "etc/libvirt/qemu.conf").open("a") as f:
+        f.write(packaged_qemu_conf(h, shared_dir(d.parent.parent)))
+    if ca is not None:
+        gid = group_id((r / "etc/group").read_text(), QEMU_GROUP)
+        pki.host_tree(r / "etc/pki", ca, h.address, h.hostname, gid)
+    (r / APT_LIST.lstrip("/")).write_text(APT_SOURCE)
+
+
 def _start_daemon(h: Host) -> int:
-    patched = emulator.emulator_path("patched").parent
-    stock = emulator.emulator_path("stock").parent
-    script = host_script(h, patched, stock)
+    if h.packaged:
+        shared = shared_dir(Path(h.root).parent.parent)
+        script = packaged_host_script(h, shared, IMAGES_DIR, cache_dir() / "apt-repo")
+    else:
+        patched = emulator.emulator_path("patched").parent
+        stock = emulator.emulator_path("stock").parent
+        script = host_script(h, patched, stock)
     log = (Path(h.root) / "daemon.log").open("ab")
     with log:
         proc = subprocess.Popen(
@@ -366,6 +531,56 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def host_run(
+    state: ClusterState, name: str, argv: Sequence[str], timeout: float = 600.0
+) -> subprocess.CompletedProcess[str]:
+    """Run ARGV on a packaged host as its root would: in its network, mount
+    and UTS namespaces, chrooted into its root (nsenter into its libvirtd),
+    with a clean environment.  apt installs from the local repository."""
+    h = state.host(name)
+    if not h.packaged:
+        raise ThinvmError(f"{name} is not a packaged host (`thinvm cluster up --packaged`)")
+    pid = state.pids.get(name, 0)
+    if not (pid and _alive(pid) and _is_libvirtd(pid)):
+        raise ThinvmError(f"libvirtd of {name} is not running")
+    env = {"PATH": HOST_PATH, "HOME": "/root", "LANG": "C.UTF-8",
+           "DEBIAN_FRONTEND": "noninteractive"}  # fmt: skip
+    cmd = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "-r", "-w", "--", *argv]
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env,
+            stdin=subprocess.DEVNULL, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise ThinvmError(f"{name}: {' '.join(argv)} timed out after {timeout:.0f} s") from exc
+
+
+def host_apt(state: ClusterState, name: str, *args: str) -> str:
+    """apt-get -y ARGS on a packaged host; its output, or an error with it."""
+    argv = ["apt-get", "-q", "-y", "-o", "Dpkg::Use-Pty=0", *args]
+    proc = host_run(state, name, argv)
+    if proc.returncode != 0:
+        raise ThinvmError(f"{name}: apt-get {' '.join(args)} failed: {proc.stdout[-2000:]}"
+                          f"{proc.stderr[-2000:]}")  # fmt: skip
+    return proc.stdout
+
+
+def refresh_repo(state: ClusterState, name: str) -> None:
+    """apt-get update of the local repository's list only: Debian's lists
+    came with the cached root and match its packages (no network)."""
+    host_apt(state, name, "update", "-o", f"Dir::Etc::SourceList={APT_LIST}",
+             "-o", "Dir::Etc::SourceParts=-", "-o", "APT::Get::List-Cleanup=0")  # fmt: skip
+
+
+def host_flavour(h: Host) -> str:
+    """Which QEMU a host offers thinvm guests: for a packaged host, whether
+    thinvm-qemu is installed in its root now."""
+    if not h.packaged:
+        return h.flavour
+    binary = h.rootfs / str(emulator.PACKAGED_THINVM).lstrip("/")
+    return "patched" if binary.is_file() else "stock"
+
+
 def kill_daemon(name: str, root: Path | None = None) -> int:
     """SIGKILL a host's libvirtd, as if the daemon crashed; its QEMUs go on
     running.  Returns the pid killed."""
@@ -403,20 +618,29 @@ def up(
     stock: Sequence[str] = (),
     root: Path | None = None,
     tls: bool = True,
+    packaged: bool = False,
 ) -> ClusterState:
     """Create the cluster: namespaces, bridge, one libvirtd per host; TLS
-    between hosts unless `tls` is False."""
+    between hosts unless `tls` is False.  `packaged`: hosts are Debian
+    installs (module docstring); those not in `stock` install thinvm-qemu
+    with apt once their libvirtd is up."""
     root = root or cluster_dir()
     if os.geteuid() != 0:
         raise ThinvmError("thinvm cluster needs root (namespaces, libvirtd)")
     if state_path(root).exists() or our_namespaces(root):
         raise ThinvmError("a cluster is already up: run 'thinvm cluster down' first")
-    for flavour in ("patched", "stock"):
-        if not emulator.emulator_path(flavour).is_file():
-            raise ThinvmError(
-                f"emulator {emulator.emulator_path(flavour)} missing: run 'thinvm fleet install'"
-            )
-    hosts = plan_hosts(count, root, stock, tls)
+    lower = None
+    if packaged:
+        lower = host_root_lower()
+        apt_repo()
+    else:
+        for flavour in ("patched", "stock"):
+            if not emulator.emulator_path(flavour).is_file():
+                raise ThinvmError(
+                    f"emulator {emulator.emulator_path(flavour)} missing: "
+                    "run 'thinvm fleet install'"
+                )
+    hosts = plan_hosts(count, root, stock, tls, packaged)
     shared_dir(root).mkdir(parents=True, exist_ok=True)
     state = ClusterState(hosts=hosts, link=link, pids={})
     _save_state(root, state)  # before anything exists: down can clean a partial up
@@ -429,8 +653,12 @@ def up(
             progress.update("certificates: cluster CA")
             ca = pki.make_ca(root)
         for h in hosts:
-            progress.update(f"starting libvirtd on {h.name} ({h.address}, {h.flavour} QEMU)")
-            _write_host_tree(h, ca)
+            what = "Debian's libvirt" if packaged else f"{h.flavour} QEMU"
+            progress.update(f"starting libvirtd on {h.name} ({h.address}, {what})")
+            if lower is not None:
+                _write_packaged_host(h, ca, lower)
+            else:
+                _write_host_tree(h, ca)
             state.pids[h.name] = _start_daemon(h)
             _save_state(root, state)
         # Each libvirtd probes the QEMU binaries at its first connection
@@ -439,12 +667,34 @@ def up(
         with ThreadPoolExecutor(len(hosts)) as pool:
             for done in [pool.submit(_wait_ready, h, state.pids[h.name]) for h in hosts]:
                 done.result()
+        if packaged:
+            progress.update("apt: the local repository; thinvm-qemu where not --stock")
+            with ThreadPoolExecutor(len(hosts)) as pool:
+                for done in [pool.submit(_prepare_packaged, state, h) for h in hosts]:
+                    done.result()
     except BaseException:
         progress.done("failed; cleaning up")
         down(root)
         raise
     progress.done(f"up: {', '.join(f'{h.name}={h.address}' for h in hosts)}")
     return state
+
+
+def _prepare_packaged(state: ClusterState, h: Host) -> None:
+    refresh_repo(state, h.name)
+    if h.flavour != "stock":
+        host_apt(state, h.name, "install", "--no-install-recommends", "thinvm-qemu")
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """Mount points at or below `root` in this mount namespace, deepest first."""
+    points: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point == str(root) or point.startswith(f"{root}/"):
+                points.append(point)
+    return sorted(points, key=lambda p: p.count("/"), reverse=True)
 
 
 def our_namespaces(root: Path) -> list[str]:
@@ -509,6 +759,12 @@ def down(root: Path | None = None) -> list[str]:
             if _alive(pid) and _is_libvirtd(pid):
                 os.kill(pid, signal.SIGKILL)
                 removed.append(f"libvirtd of {name}")
+    # Packaged hosts' root overlays (everything else was mounted in the
+    # hosts' own namespaces, gone with their processes).
+    for point in _mounts_under(root):
+        if subprocess.run(["umount", point], capture_output=True, check=False).returncode:
+            _run(["umount", "-l", point], f"umount {point}")
+        removed.append(f"mount {point}")
     if root.exists():
         subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=True)
         removed.append(str(root))
@@ -528,9 +784,10 @@ def running(
     stock: Sequence[str] = (),
     root: Path | None = None,
     tls: bool = True,
+    packaged: bool = False,
 ) -> Iterator[ClusterState]:
     """A cluster for the length of a with-block (tests, benchmarks)."""
-    state = up(count, link, stock, root, tls)
+    state = up(count, link, stock, root, tls, packaged)
     try:
         yield state
     finally:

@@ -20,6 +20,11 @@ from thinvm.qemu import builds
 
 INSTALL_ROOT = Path("/usr/local/lib/thinvm")
 BINARY = "qemu-system-x86_64"
+# On a host that installed QEMU with apt: Debian's (qemu-system-x86) and
+# thinvm's (thinvm-qemu, beside Debian's, never instead).
+PACKAGED_STOCK = Path("/usr/bin/qemu-system-x86_64")
+PACKAGED_THINVM = Path("/usr/lib/thinvm-qemu/bin/qemu-system-x86_64")
+PACKAGED = (PACKAGED_STOCK, PACKAGED_THINVM)
 
 # The QEMU patch that adds the migration capability; the capability's
 # name is read from it so that a rename in the series is followed here.
@@ -95,3 +100,20 @@ def domcapabilities(path: Path, connect: str | None = None) -> str:
     if proc.returncode != 0:
         raise ThinvmError(f"libvirt cannot use {path}: {proc.stderr.strip()}")
     return proc.stdout
+
+
+def has_emulator(connect: str, path: Path) -> bool:
+    """Whether the libvirt at `connect` can run `path` (its host has it)."""
+    try:
+        domcapabilities(path, connect)
+    except ThinvmError:
+        return False
+    return True
+
+
+def packaged_emulator(connect: str) -> Path:
+    """The QEMU a package-installed host runs guests on: thinvm-qemu where
+    it is installed, else Debian's.  Asked of the host's libvirt, as the
+    control plane of a real cluster would (it cannot look at the host's
+    files)."""
+    return PACKAGED_THINVM if has_emulator(connect, PACKAGED_THINVM) else PACKAGED_STOCK

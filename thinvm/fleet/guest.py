@@ -128,19 +128,25 @@ class GuestSpec:
     virtio_mem_requested: int = 0
 
 
-def spec_for(guest: GuestSpec, image: DiskImage, shared: Path) -> DomainSpec:
+def spec_for(
+    guest: GuestSpec, image: DiskImage, shared: Path, binary: Path | None = None
+) -> DomainSpec:
     """The domain for `guest`: thinvm's features, or stock's best
     (reporting + hinting; multifd is a migration flag) with thinvm=False.
-    Both hint by default, as thinvm.vm.stack's THINVM and STOCK_BEST do."""
+    Both hint by default, as thinvm.vm.stack's THINVM and STOCK_BEST do.
+    `binary`: the emulator of a package-installed host
+    (emulator.packaged_emulator) instead of `thinvm fleet install`'s."""
     thinvm = guest.thinvm and not guest.portable
-    if thinvm and guest.build == "stock":
+    stock = binary == emulator.PACKAGED_STOCK if binary else guest.build == "stock"
+    if thinvm and stock:
         raise ThinvmError(
-            "page ranges and sparse-ram need the patched QEMU: use --build patched, "
+            "page ranges and sparse-ram need the patched QEMU: use --build patched "
+            "(on a package-installed host: install thinvm-qemu), --portable, "
             "or --no-thinvm for the stock emulator"
         )
     return DomainSpec(
         name=guest.name,
-        emulator=emulator.emulator_path(guest.build),
+        emulator=binary or emulator.emulator_path(guest.build),
         kernel=image.vmlinuz,
         initrd=image.initrd,
         disk=shared / f"{guest.name}.qcow2",

@@ -33,16 +33,32 @@ channel), against a reference read on a second QMP monitor every 5 ms:
 - `virsh qemu-monitor-event` streams QEMU's events on one connection, but
   the migration events (MIGRATION, MIGRATION_PASS) carry a status and a
   pass number, no counters: it could only say when to ask.
+
+Package-installed hosts (a cluster upgraded one host at a time) name their
+QEMU by two paths: Debian's /usr/bin/qemu-system-x86_64 and thinvm-qemu's
+/usr/lib/thinvm-qemu/bin/qemu-system-x86_64, the latter only where
+thinvm-qemu is installed.  A domain's <emulator> travels with it, so a
+guest started on a stock host would stay on Debian's QEMU after moving to
+an upgraded one, and a guest of an upgraded host could not start on a
+stock one at all.  So when the guest's emulator is one of those two and
+the destination runs guests on the other (thinvm-qemu where installed,
+asked of its libvirt), the migration carries a destination XML (`virsh
+migrate --xml` and `--persistent-xml`: `dumpxml --migratable`, live and
+inactive, with only <emulator> changed).  libvirt's ABI check does not
+cover the emulator; both are QEMU 10.0 with the same machine types.
 """
 
 import contextlib
 import json
 import os
+import re
 import select
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from thinvm.errors import ThinvmError
@@ -194,12 +210,15 @@ class MigrationResult:
     ram: dict[str, int]  # query-migrate "ram" from the source, last poll
     polls: int
     capabilities: dict[str, bool] = field(default_factory=dict)
+    # The destination's <emulator> when the migration changed it (None: kept).
+    emulator: str | None = None
 
     def summary(self) -> dict[str, Any]:
         return {
             "seconds": round(self.seconds, 3),
             "from": self.source,
             "to": self.destination,
+            "emulator": self.emulator,
             "sparse-skipped": self.ram.get("sparse-skipped"),
             "sparse-zero": self.ram.get("sparse-zero"),
             "transferred": self.ram.get("transferred"),
@@ -277,6 +296,43 @@ def clear_sparse_ram(source: Host, name: str) -> None:
             capabilities=[{"capability": cap, "state": False}])  # fmt: skip
 
 
+_EMULATOR_RE = re.compile(r"<emulator>([^<]*)</emulator>")
+
+
+def emulator_of(xml: str) -> str | None:
+    match = _EMULATOR_RE.search(xml)
+    return match.group(1).strip() if match else None
+
+
+def with_emulator(xml: str, path: str) -> str:
+    """The domain XML with its <emulator> replaced (nothing else touched)."""
+    new, count = _EMULATOR_RE.subn(f"<emulator>{path}</emulator>", xml, count=1)
+    if count != 1:
+        raise ThinvmError("domain XML without <emulator>")
+    return new
+
+
+def destination_emulator(source: Host, destination: Host, name: str) -> str | None:
+    """The <emulator> the guest needs on `destination`, when it differs from
+    the one it runs on; None when the migration keeps it (a packaged
+    emulator on both ends, or one thinvm does not manage)."""
+    current = emulator_of(virsh(source, "dumpxml", name))
+    if current not in {str(p) for p in emulator.PACKAGED}:
+        return None
+    want = str(emulator.packaged_emulator(destination.uri))
+    return None if want == current else want
+
+
+def _destination_xml(source: Host, name: str, path: str, work: Path) -> list[str]:
+    """`virsh migrate` arguments for a destination XML with `path` as its
+    emulator: the live definition and the persistent one."""
+    live = with_emulator(virsh(source, "dumpxml", "--migratable", name), path)
+    persistent = with_emulator(virsh(source, "dumpxml", "--inactive", "--migratable", name), path)
+    (work / "live.xml").write_text(live)
+    (work / "persistent.xml").write_text(persistent)
+    return ["--xml", str(work / "live.xml"), "--persistent-xml", str(work / "persistent.xml")]
+
+
 def parse_jobinfo(text: str) -> dict[str, str]:
     """`virsh domjobinfo` output as a dict ("Time elapsed" -> "1234 ms")."""
     out: dict[str, str] = {}
@@ -308,23 +364,28 @@ def migrate(
         args += ["--parallel", "--parallel-connections", str(parallel)]
     if is_portable(virsh(source, "dumpxml", name)):
         clear_sparse_ram(source, name)
-    args += [*extra, name, destination.peer_uri]
-    poller = _SourcePoller(source, name)
-    poller.start()
-    start = time.monotonic()
-    try:
-        virsh(source, *args, timeout=timeout)
-    except ThinvmError as exc:
-        raise ThinvmError(_explain_failure(str(exc), source, destination, name)) from exc
-    finally:
-        poller.finish()
-    seconds = time.monotonic() - start
+    new_emulator = destination_emulator(source, destination, name)
+    with tempfile.TemporaryDirectory(prefix="thinvm-migrate-") as tmp:
+        if new_emulator:
+            args += _destination_xml(source, name, new_emulator, Path(tmp))
+        args += [*extra, name, destination.peer_uri]
+        poller = _SourcePoller(source, name)
+        poller.start()
+        start = time.monotonic()
+        try:
+            virsh(source, *args, timeout=timeout)
+        except ThinvmError as exc:
+            raise ThinvmError(_explain_failure(str(exc), source, destination, name)) from exc
+        finally:
+            poller.finish()
+        seconds = time.monotonic() - start
     # The source forgot the domain (--undefinesource); the destination
     # keeps the statistics of the incoming job.
     job = parse_jobinfo(virsh(destination, "domjobinfo", name, "--completed"))
     return MigrationResult(
-        seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps
-    )
+        seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps,
+        new_emulator,
+    )  # fmt: skip
 
 
 def _explain_failure(message: str, source: Host, destination: Host, name: str) -> str:
