@@ -284,6 +284,12 @@ remember_owner = 0
 """
 
 
+_DEV_NODES = (
+    ("null", "1 3"), ("zero", "1 5"), ("full", "1 7"), ("random", "1 8"),
+    ("urandom", "1 9"), ("tty", "5 0"), ("ptmx", "5 2"),
+)  # fmt: skip
+
+
 def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> str:
     """The shell that turns a fresh mount+UTS namespace into a packaged
     host and execs its libvirtd, chrooted into the host's root."""
@@ -294,7 +300,14 @@ def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> s
         f"hostname {host.hostname}",
         f"mount -t proc proc {r}/proc",
         f"mount -t sysfs sysfs {r}/sys",
-        f"mount --rbind /dev {r}/dev",
+        # A /dev of its own with the usual nodes and no /dev/kvm: the guests
+        # run under TCG (README), and a /dev/kvm whose group is not the
+        # host's kvm group made libvirt probe QEMU again at every call.
+        f"mount -t tmpfs -o mode=0755,nosuid tmpfs {r}/dev",
+        *(f"mknod -m 0666 {r}/dev/{name} c {nums}" for name, nums in _DEV_NODES),
+        f"mkdir -p {r}/dev/pts {r}/dev/shm",
+        f"mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 devpts {r}/dev/pts",
+        f"ln -s /proc/self/fd {r}/dev/fd",
         f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {r}/dev/shm",
         # Shared storage and images at the same path as on every host.
         f"mkdir -p {r}{shared} {r}{images} {r}{APT_REPO_DIR}",
