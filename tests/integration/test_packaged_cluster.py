@@ -15,6 +15,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -163,6 +164,8 @@ def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> 
         assert f"<path>{STOCK}</path>" in caps, caps[:1000]
         assert emulator.packaged_emulator(h.uri) == emulator.PACKAGED_STOCK
         assert cluster.host_flavour(h) == "stock"
+        # Only root may use the read-write socket (no authentication on it).
+        assert stat.S_IMODE(h.socket.stat().st_mode) == 0o700
         # Debian's configuration, with our settings appended only.
         for conf in ("libvirtd.conf", "qemu.conf"):
             ours = (h.rootfs / "etc/libvirt" / conf).read_text()
@@ -315,7 +318,8 @@ def test_packaged_configuration_adds_only_listener_tls_uuid_migration_storage(
         if line.strip() and not line.startswith("#")
     }
     assert keys == {
-        "listen_tls", "listen_tcp", "auth_tls", "listen_addr", "auth_unix_rw", "host_uuid",
+        "listen_tls", "listen_tcp", "auth_tls", "listen_addr", "auth_unix_rw",
+        "unix_sock_rw_perms", "host_uuid",
         "log_outputs", "migration_address", "migration_host", "migrate_tls_force",
         "shared_filesystems", "remember_owner",
     }, keys  # fmt: skip

@@ -145,7 +145,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         f"{args.name}: {source.name} -> {dest.name} in {result.seconds:.2f} s, "
         f"{result.job.get('Data processed', '?')} sent, downtime "
         f"{result.job.get('Total downtime', '?')}, sparse-skipped "
-        f"{'n/a' if skipped is None else f'{skipped} pages'}",
+        f"{'n/a' if skipped is None else f'{skipped} pages'}"
+        + (f", now on {result.emulator}" if result.emulator else ""),
     )
     return 0
 
