@@ -50,6 +50,7 @@ def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
         build=args.build,
         thinvm=not args.no_thinvm,
         portable=args.portable,
+        hint=args.free_page_hint,
         virtio_mem=parse_size(args.virtio_mem),
         virtio_mem_requested=parse_size(args.virtio_mem_requested),
     )
@@ -246,7 +247,13 @@ def _add_guest_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-thinvm",
         action="store_true",
-        help="stock's best instead: reporting + hinting, no ranges, no sparse-ram",
+        help="stock's best instead: reporting, no ranges, no sparse-ram",
+    )
+    p.add_argument(
+        "--free-page-hint",
+        action="store_true",
+        help="free page hinting too (off: it measured slower once reporting runs, "
+        "and it needs a <qemu:override>)",
     )
     p.add_argument(
         "--portable",

@@ -123,7 +123,10 @@ class GuestSpec:
     # XML, which a stock QEMU would refuse to start with: over multifd
     # thinvm's QEMU skips without it (QEMU 0024).
     portable: bool = False
-    hint: bool = True  # free page hinting (QEMU's, on an iothread)
+    # Free page hinting (QEMU's, on an iothread): off, as in thinvm.vm.stack,
+    # where it measured slower once reporting runs.  Off also spares the
+    # domain its <qemu:override>.
+    hint: bool = False
     virtio_mem: int = 0  # docs/resize.md; 0: no virtio-mem device
     virtio_mem_requested: int = 0
 
@@ -132,8 +135,8 @@ def spec_for(
     guest: GuestSpec, image: DiskImage, shared: Path, binary: Path | None = None
 ) -> DomainSpec:
     """The domain for `guest`: thinvm's features, or stock's best
-    (reporting + hinting; multifd is a migration flag) with thinvm=False.
-    Both hint by default, as thinvm.vm.stack's THINVM and STOCK_BEST do.
+    (reporting; multifd is a migration flag) with thinvm=False.  Neither
+    hints unless asked (GuestSpec.hint), as thinvm.vm.stack's stacks.
     `binary`: the emulator of a package-installed host
     (emulator.packaged_emulator) instead of `thinvm fleet install`'s."""
     thinvm = guest.thinvm and not guest.portable

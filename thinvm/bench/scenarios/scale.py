@@ -220,8 +220,7 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
         "stock-best": (STOCK_BEST, "stock QEMU and driver; reporting, multifd"),
         "thinvm": (
             THINVM,
-            "patched QEMU, our driver; reporting + page ranges, sparse-ram, "
-            "multifd (2 channels)",
+            "patched QEMU, our driver; reporting + page ranges, sparse-ram, multifd (2 channels)",
         ),
     }
     variants = []
