@@ -24,7 +24,6 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate, pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
-from thinvm.guest.agent import AgentClient
 from thinvm.units import KiB, MiB
 
 pytestmark = [
@@ -99,19 +98,11 @@ def remove(h: Host, name: str) -> None:
 
 
 def in_guest(h: Host, name: str, command: str) -> str:
-    client = guest.agent(h, name)
-    try:
-        return client.check(command).stdout
-    finally:
-        client.close()
+    return guest.run_in_guest(h, name, command).stdout
 
 
 def verify_pattern(h: Host, name: str, seed: int) -> None:
-    client: AgentClient = guest.agent(h, name)
-    try:
-        res = client.check(f"thinvm-mem pattern verify {PATTERN} --seed {seed}").json()
-    finally:
-        client.close()
+    res = guest.run_in_guest(h, name, f"thinvm-mem pattern verify {PATTERN} --seed {seed}").json()
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
 
 

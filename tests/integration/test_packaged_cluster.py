@@ -82,19 +82,11 @@ def assert_nothing_left(root: Path) -> None:
 
 
 def in_guest(h: Host, name: str, command: str) -> str:
-    client = guest.agent(h, name)
-    try:
-        return client.check(command).stdout
-    finally:
-        client.close()
+    return guest.run_in_guest(h, name, command).stdout
 
 
 def verify(h: Host, name: str, seed: int) -> None:
-    client = guest.agent(h, name)
-    try:
-        res = client.check(f"thinvm-mem pattern verify {PATTERN} --seed {seed}").json()
-    finally:
-        client.close()
+    res = guest.run_in_guest(h, name, f"thinvm-mem pattern verify {PATTERN} --seed {seed}").json()
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
 
 

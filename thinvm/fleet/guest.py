@@ -23,7 +23,7 @@ from thinvm.errors import GuestError, ThinvmError
 from thinvm.fleet import emulator
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import AGENT_PORT, DomainSpec, domain_xml
-from thinvm.guest.agent import AgentClient
+from thinvm.guest.agent import AgentClient, CommandResult
 from thinvm.guest.trim import TrimResult, trim_guest
 from thinvm.host.memory import process_memory
 from thinvm.paths import REPO
@@ -200,6 +200,16 @@ def agent_socket(host: Host, name: str) -> Path:
 
 def agent(host: Host, name: str) -> AgentClient:
     return AgentClient(str(agent_socket(host, name)))
+
+
+def run_in_guest(host: Host, name: str, command: str, *, check: bool = True) -> CommandResult:
+    """Run a shell line in a cluster guest through its agent, on a
+    connection of its own; `check`: a non-zero exit raises GuestError."""
+    client = agent(host, name)
+    try:
+        return client.check(command) if check else client.run(command)
+    finally:
+        client.close()
 
 
 def qemu_pid(host: Host, name: str) -> int:
