@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import thinvm_cli
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
-from thinvm.fleet.domain import DomainSpec, domain_xml
+from thinvm.fleet.domain import DomainSpec, domain_xml, is_portable
 from thinvm.units import MiB
 
 pytestmark = [
@@ -178,6 +178,8 @@ def test_rolling_upgrade_of_three_hosts_then_purge(
     start(packaged, image, name, "h1")
     try:
         assert qemu_of(h1, name) == (STOCK, cluster.QEMU_USER)
+        # fleet migrate tells a portable guest by its migratable XML.
+        assert is_portable(virsh(h1, "dumpxml", "--migratable", name))
         in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 31")
         booted = boot_id(h1, name)
 

@@ -13,6 +13,7 @@ from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import (
     BALLOON_ALIAS,
     QEMU_NS,
+    THINVM_NS,
     VIRTIO_MEM_ALIAS,
     DomainSpec,
     domain_xml,
@@ -271,3 +272,103 @@ def test_a_virsh_session_answers_command_by_command() -> None:
         with pytest.raises(ThinvmError, match="test: virsh dominfo: failed to get domain 'nosuch'"):
             session.run("dominfo", "nosuch")
         assert "test" in session.run("list", "--all")  # still in step after an error
+
+
+# -- migrate(): the domain XML read once -------------------------------------
+
+STOCK_QEMU = str(emulator.PACKAGED_STOCK)
+THINVM_QEMU = str(emulator.PACKAGED_THINVM)
+
+
+def _live_xml(portable: bool) -> str:
+    metadata = f'<metadata><g:guest xmlns:g="{THINVM_NS}" portable="yes"/></metadata>'
+    return (
+        f"<domain>{metadata if portable else ''}"
+        f"<devices><emulator>{STOCK_QEMU}</emulator></devices></domain>"
+    )
+
+
+class _FakePoller:
+    """Stands in for the query-migrate poller (a virsh of its own)."""
+
+    def __init__(self, host: object, name: str) -> None:
+        self.ram: dict[str, int] = {}
+        self.caps: dict[str, bool] = {}
+        self.polls = 0
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _fake_migrate(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, portable: bool, dest_qemu: Path
+) -> tuple[migrate.MigrationResult, list[tuple[str, ...]], dict[str, str], list[str]]:
+    """migrate() with libvirt faked: the virsh calls it made, the files
+    it passed with --xml/--persistent-xml, the guests it cleared sparse-ram of."""
+    src, dst = cluster.plan_hosts(2, tmp_path, packaged=True)
+    calls: list[tuple[str, ...]] = []
+    sent: dict[str, str] = {}
+    cleared: list[str] = []
+
+    def fake_virsh(host: cluster.Host, *args: str, timeout: float = 120.0) -> str:
+        calls.append(args)
+        if args[0] == "dumpxml":
+            inactive = "<!--inactive-->" if "--inactive" in args else ""
+            return _live_xml(portable).replace("<domain>", f"<domain>{inactive}")
+        if args[0] == "migrate":
+            for flag in ("--xml", "--persistent-xml"):
+                if flag in args:
+                    sent[flag] = Path(args[args.index(flag) + 1]).read_text()
+        return "Data processed: 1.000 MiB" if args[0] == "domjobinfo" else ""
+
+    monkeypatch.setattr(migrate, "virsh", fake_virsh)
+    monkeypatch.setattr(migrate, "_SourcePoller", _FakePoller)
+    monkeypatch.setattr(migrate, "clear_sparse_ram", lambda host, name: cleared.append(name))
+    monkeypatch.setattr(emulator, "packaged_emulator", lambda uri: dest_qemu)
+    result = migrate.migrate(src, dst, "vm1", parallel=2)
+    return result, calls, sent, cleared
+
+
+def test_migrate_reads_the_live_xml_once_and_sends_it_with_the_new_emulator(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    result, calls, sent, cleared = _fake_migrate(
+        monkeypatch, tmp_path, True, emulator.PACKAGED_THINVM
+    )
+    dumps = [c for c in calls if c[0] == "dumpxml"]
+    # The live XML once (portable? which emulator? the XML sent), and the
+    # persistent definition, a document of its own, only for the switch.
+    assert dumps == [("dumpxml", "--migratable", "vm1"),
+                     ("dumpxml", "--inactive", "--migratable", "vm1")]  # fmt: skip
+    assert cleared == ["vm1"]
+    assert result.emulator == THINVM_QEMU
+    assert sent["--xml"] == _live_xml(True).replace(STOCK_QEMU, THINVM_QEMU)
+    assert "<!--inactive-->" in sent["--persistent-xml"]
+    assert THINVM_QEMU in sent["--persistent-xml"]
+
+
+def test_migrate_keeping_the_emulator_reads_the_xml_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    result, calls, sent, cleared = _fake_migrate(
+        monkeypatch, tmp_path, False, emulator.PACKAGED_STOCK
+    )
+    assert [c for c in calls if c[0] == "dumpxml"] == [("dumpxml", "--migratable", "vm1")]
+    assert result.emulator is None and not sent and not cleared
+    (migration,) = [c for c in calls if c[0] == "migrate"]
+    assert "--xml" not in migration and migration[-1] == "qemu+tls://10.217.0.2/system"
+
+
+def test_destination_emulator_leaves_unknown_emulators_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (dst,) = cluster.plan_hosts(1, tmp_path, packaged=True)
+    monkeypatch.setattr(emulator, "packaged_emulator", lambda uri: emulator.PACKAGED_THINVM)
+    own = "<domain><devices><emulator>/usr/local/lib/thinvm/x</emulator></devices></domain>"
+    assert migrate.destination_emulator(own, dst) is None
+    assert migrate.destination_emulator(_live_xml(False), dst) == THINVM_QEMU
+    assert migrate.destination_emulator(_live_xml(False).replace(STOCK_QEMU, THINVM_QEMU),
+                                        dst) is None  # fmt: skip

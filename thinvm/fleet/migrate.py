@@ -312,24 +312,24 @@ def with_emulator(xml: str, path: str) -> str:
     return new
 
 
-def destination_emulator(source: Host, destination: Host, name: str) -> str | None:
-    """The <emulator> the guest needs on `destination`, when it differs from
-    the one it runs on; None when the migration keeps it (a packaged
-    emulator on both ends, or one thinvm does not manage)."""
-    current = emulator_of(virsh(source, "dumpxml", name))
+def destination_emulator(xml: str, destination: Host) -> str | None:
+    """The <emulator> the guest of domain XML `xml` needs on `destination`,
+    when it differs from the one it runs on; None when the migration keeps
+    it (a packaged emulator on both ends, or one thinvm does not manage)."""
+    current = emulator_of(xml)
     if current not in {str(p) for p in emulator.PACKAGED}:
         return None
     want = str(emulator.packaged_emulator(destination.uri))
     return None if want == current else want
 
 
-def _destination_xml(source: Host, name: str, path: str, work: Path) -> list[str]:
+def _destination_xml(source: Host, name: str, live: str, path: str, work: Path) -> list[str]:
     """`virsh migrate` arguments for a destination XML with `path` as its
-    emulator: the live definition and the persistent one."""
-    live = with_emulator(virsh(source, "dumpxml", "--migratable", name), path)
-    persistent = with_emulator(virsh(source, "dumpxml", "--inactive", "--migratable", name), path)
-    (work / "live.xml").write_text(live)
-    (work / "persistent.xml").write_text(persistent)
+    emulator: the live definition (`live`, the source's `dumpxml
+    --migratable`) and the persistent one, which libvirt keeps apart."""
+    persistent = virsh(source, "dumpxml", "--inactive", "--migratable", name)
+    (work / "live.xml").write_text(with_emulator(live, path))
+    (work / "persistent.xml").write_text(with_emulator(persistent, path))
     return ["--xml", str(work / "live.xml"), "--persistent-xml", str(work / "persistent.xml")]
 
 
@@ -362,12 +362,16 @@ def migrate(
     if parallel:
         # multifd; its zero-page detection is QEMU's default.
         args += ["--parallel", "--parallel-connections", str(parallel)]
-    if is_portable(virsh(source, "dumpxml", name)):
+    # One read of the live XML answers both questions and is the
+    # destination XML when the emulator changes: the migratable form keeps
+    # <metadata> (portable) and <emulator>, and is what libvirt sends.
+    live = virsh(source, "dumpxml", "--migratable", name)
+    if is_portable(live):
         clear_sparse_ram(source, name)
-    new_emulator = destination_emulator(source, destination, name)
+    new_emulator = destination_emulator(live, destination)
     with tempfile.TemporaryDirectory(prefix="thinvm-migrate-") as tmp:
         if new_emulator:
-            args += _destination_xml(source, name, new_emulator, Path(tmp))
+            args += _destination_xml(source, name, live, new_emulator, Path(tmp))
         args += [*extra, name, destination.peer_uri]
         poller = _SourcePoller(source, name)
         poller.start()
