@@ -1,0 +1,104 @@
+"""fleet-migrate's variants: the fast hosts as before, the packaged ones
+(issue 21): which hosts, which QEMU, which domain each variant gets."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from thinvm.bench import scenarios as bench_scenarios
+from thinvm.bench.scenarios import fleet
+from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
+from thinvm.bench.types import BenchOptions, Scenario
+from thinvm.fleet import emulator, guest
+from thinvm.units import MiB
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
+
+IMAGE = guest.DiskImage(Path("/img"), "6.1", "6.1.0-test", "root=/dev/vda rw")
+SHARED = Path("/shared")
+SIZE = 1024 * MiB
+
+
+def test_packaged_routes_never_reuse_a_host() -> None:
+    assert fleet.packaged_route("patched", "patched") == ("h1", "h2")
+    assert fleet.packaged_route("patched", "stock") == ("h1", "h4")
+    assert fleet.packaged_route("stock", "stock") == ("h3", "h4")
+    kind = fleet.CLUSTERS["packaged"]
+    # The hosts left on Debian's QEMU are the stock pair, and the cluster has them all.
+    assert kind.stock == fleet.PACKAGED_HOSTS["stock"]
+    assert kind.hosts == sum(len(pair) for pair in fleet.PACKAGED_HOSTS.values())
+
+
+@pytest.mark.parametrize("candidate", STOCK_CANDIDATES, ids=lambda c: c.name)
+def test_stock_candidates_run_on_debians_qemu(candidate: Candidate) -> None:
+    run = fleet.candidate_run(candidate)
+    assert run.route == ("h3", "h4") and not run.portable
+    want = candidate.params.get("multifd-channels", fleet.CHANNELS)
+    assert run.parallel == (want if candidate.stack.multifd else 0)
+    spec = run.domain(IMAGE, SIZE, SHARED)
+    assert spec.emulator == emulator.PACKAGED_STOCK
+    assert not spec.ranges and spec.sparse_ram is None
+    assert spec.free_page_reporting == candidate.stack.reporting
+    assert spec.free_page_hint == candidate.stack.hint
+
+
+@pytest.mark.parametrize("candidate", THINVM_CANDIDATES, ids=lambda c: c.name)
+def test_thinvm_candidates_run_on_thinvm_qemu(candidate: Candidate) -> None:
+    run = fleet.candidate_run(candidate)
+    assert run.route == ("h1", "h2") and run.parallel == fleet.CHANNELS
+    spec = run.domain(IMAGE, SIZE, SHARED)
+    assert spec.emulator == emulator.PACKAGED_THINVM
+    assert spec.ranges and spec.sparse_ram == emulator.sparse_ram_capability()
+    assert spec.free_page_reporting and not spec.portable
+
+
+def test_thinvm_to_stock_is_a_portable_guest_of_thinvm_qemu() -> None:
+    run = fleet.THINVM_TO_STOCK
+    assert run.route == ("h1", "h4") and run.portable and run.parallel == fleet.CHANNELS
+    assert run.stack.driver == "thinvm"  # our driver stays; no ranges offered
+    spec = run.domain(IMAGE, SIZE, SHARED)
+    assert spec.emulator == emulator.PACKAGED_THINVM
+    assert spec.portable and not spec.ranges and spec.sparse_ram is None
+    assert spec.free_page_reporting
+    spec.validate()
+
+
+@pytest.mark.parametrize(
+    "stack,old", [(STOCK_BEST, guest.GuestSpec(fleet.GUEST, SIZE, build="stock", thinvm=False)),
+                  (THINVM, guest.GuestSpec(fleet.GUEST, SIZE, build="patched", thinvm=True))],
+)  # fmt: skip
+def test_fast_hosts_keep_the_domains_they_had(stack: Stack, old: guest.GuestSpec) -> None:
+    """What _run_one defined before FleetRun, for stock-best and thinvm."""
+    run = fleet.FleetRun(stack)
+    assert run.route == ("h1", "h2") and run.parallel == fleet.CHANNELS
+    assert run.domain(IMAGE, SIZE, SHARED) == guest.spec_for(old, IMAGE, SHARED)
+    assert fleet.FleetRun(replace(stack, multifd=False)).parallel == 0
+
+
+def _scenario() -> Scenario:
+    return bench_scenarios.SCENARIOS["fleet-migrate"].build(BenchOptions())
+
+
+def test_packaged_rows_are_chosen_among_their_candidates() -> None:
+    scenario = _scenario()
+    assert scenario.baseline_name == "stock-best"  # the fast hosts' row, as before
+    best = {b.name: b.candidates for b in scenario.best}
+    assert best == {
+        "pkg-stock-best": tuple(f"pkg-{c.name}" for c in STOCK_CANDIDATES),
+        "pkg-thinvm": tuple(f"pkg-{c.name}" for c in THINVM_CANDIDATES),
+    }
+    refs = scenario.references
+    assert refs["pkg-thinvm"] == refs["pkg-thinvm-to-stock"] == "pkg-stock-best"
+    assert "pkg-stock-best" not in refs  # against the baseline
+    assert {(t.variant, t.reference) for t in scenario.targets} == {
+        ("thinvm", "stock-best"), ("pkg-thinvm", "pkg-stock-best")}  # fmt: skip
+
+
+def test_selecting_the_fast_rows_leaves_out_the_packaged_ones() -> None:
+    scenario = _scenario()
+    scenario.select(["stock-best", "thinvm"])
+    assert scenario.rows == ["stock-best", "thinvm"] and not scenario.best
+    scenario = _scenario()
+    scenario.select(["pkg-stock-best", "pkg-thinvm", "pkg-thinvm-to-stock"])
+    assert len(scenario.variants) == len(STOCK_CANDIDATES) + len(THINVM_CANDIDATES) + 1
+    assert all(v.name.startswith("pkg-") for v in scenario.variants)
