@@ -231,3 +231,86 @@ def test_an_installation_without_the_image_builders_says_so(
             image.ensure_image("6.1", "stock")
     finally:
         image.ensure_image.cache_clear()
+
+
+def _disk_vm(config: VMConfig, incoming: bool = False) -> VM:
+    vm = _vm(config, incoming)
+    vm.image = GuestImage(Path("/k"), Path("/i"), {"cmdline": "root=/dev/vda rw console=ttyS0"})
+    vm.disk = Path("/run/vm/disk.qcow2")
+    return vm
+
+
+def test_a_disk_guest_boots_from_its_overlay_as_the_first_virtio_disk() -> None:
+    config = VMConfig(image="disk", extra_args=["-drive", "file=/d.img,if=virtio,format=raw"])
+    args = _disk_vm(config).command_line()
+    assert _option(args, "-append") == ["root=/dev/vda rw console=ttyS0 panic=-1"]
+    assert _option(args, "-kernel") == ["/k"] and _option(args, "-initrd") == ["/i"]
+    root, data = _option(args, "-drive")
+    assert root == "file=/run/vm/disk.qcow2,if=virtio,format=qcow2,discard=unmap"
+    assert data.startswith("file=/d.img")
+    # The initramfs guest's command line is as it was: no disk, no root=.
+    args = _vm(VMConfig()).command_line()
+    assert _option(args, "-append") == ["console=ttyS0 panic=-1"]
+    assert _option(args, "-drive") == []
+
+
+def test_a_disk_guest_makes_its_overlay_in_its_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[tuple[Path, Path]] = []
+    monkeypatch.setattr(
+        "thinvm.fleet.guest.create_overlay", lambda base, disk: made.append((base, disk))
+    )
+    vm = VM(VMConfig(image="disk"), rundir=tmp_path)
+    assert vm._root_disk(Path("/base.qcow2")) == tmp_path / "disk.qcow2"
+    assert made == [(Path("/base.qcow2"), tmp_path / "disk.qcow2")]
+
+
+def test_a_migration_destination_opens_its_sources_disk(tmp_path: Path) -> None:
+    src = _disk_vm(VMConfig(image="disk", name="ws"))
+    config = src.incoming_config()
+    assert config.disk == "/run/vm/disk.qcow2" and config.name == "ws"
+    assert src.config.disk is None  # the source's own config is left alone
+    assert _vm(VMConfig()).incoming_config() == VMConfig()  # nothing to share
+    # A destination without its source's disk would boot another disk.
+    with pytest.raises(ThinvmError, match="opens its source's disk"):
+        VM(VMConfig(image="disk"), incoming=True, rundir=tmp_path)._root_disk(Path("/b"))
+    overlay = tmp_path / "src.qcow2"
+    with pytest.raises(ThinvmError, match="does not exist"):
+        VM(VMConfig(image="disk", disk=str(overlay)), incoming=True)._root_disk(Path("/b"))
+    overlay.touch()
+    dst = VM(VMConfig(image="disk", disk=str(overlay)), incoming=True, rundir=tmp_path)
+    assert dst._root_disk(Path("/b")) == overlay
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (VMConfig(image="iso"), "unknown guest image 'iso': choose initramfs or disk"),
+        (VMConfig(image="disk", guest_driver="none"), "ours \\(thinvm\\) or the in-tree one"),
+    ],
+)
+def test_bad_guest_images(config: VMConfig, message: str) -> None:
+    with pytest.raises(ThinvmError, match=message):
+        VM(config, rundir=Path("/tmp/thinvm-unit"))._guest_image()
+
+
+def test_a_stock_disk_guest_swaps_to_the_in_tree_driver_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    swapped: list[object] = []
+    monkeypatch.setattr("thinvm.fleet.guest.use_intree_driver", swapped.append)
+
+    def booted(config: VMConfig, incoming: bool = False) -> VM:
+        vm = _disk_vm(config, incoming)
+        monkeypatch.setattr(vm.agent, "wait_ready", lambda timeout: 1.0)
+        return vm
+
+    vm = booted(VMConfig(image="disk", guest_driver="stock"))
+    vm.wait_agent()
+    vm.wait_agent()
+    assert swapped == [vm.agent]
+    # Ours stays; a destination gets the guest with the driver it runs.
+    booted(VMConfig(image="disk", guest_driver="thinvm")).wait_agent()
+    booted(VMConfig(image="disk", guest_driver="stock"), incoming=True).wait_agent()
+    assert len(swapped) == 1

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,6 +28,7 @@ from thinvm.guest.agent import AgentClient
 from thinvm.guest.image import GuestImage, ensure_image
 from thinvm.host.locks import FileLock
 from thinvm.host.memory import HostMemory, host_meminfo, process_memory
+from thinvm.paths import cache_dir
 from thinvm.pool import lease as pool_lease
 from thinvm.pool.model import PoolEmpty
 from thinvm.qemu import accel as accel_mod
@@ -57,6 +58,12 @@ VIRTIO_MEM_BLOCK_SIZE = 2 * MiB
 # unplugged again: Debian's 6.1 leaves hotplugged memory offline by default.
 VIRTIO_MEM_KERNEL_ARGS = "memhp_default_state=online_movable"
 MIN_MEMORY = 256 * MiB
+# Guest images (VMConfig.image): the busybox initramfs (guest/image/build.sh)
+# and the Debian 12 disk image (guest/image/build-disk.sh), whose balloon
+# driver is ours (DKMS) unless the in-tree one is asked for.
+GUEST_IMAGES = ("initramfs", "disk")
+DISK_DRIVERS = ("thinvm", "stock")
+DISK_FILE = "disk.qcow2"  # a disk guest's overlay, in its run directory
 PR_SET_PDEATHSIG = 1
 
 
@@ -100,6 +107,13 @@ class VMConfig:
     # beyond `memory` (0: no device), and how much of it is plugged at start.
     virtio_mem: int = 0
     virtio_mem_plugged: int = 0
+    # What boots: "initramfs" (root on tmpfs) or "disk", the Debian disk
+    # image, root on a qcow2 overlay of it (GUEST_IMAGES).
+    image: str = "initramfs"
+    # A disk guest's overlay: None makes a new one in the run directory,
+    # removed with it.  The destination of a migration opens its source's
+    # (VM.incoming_config), as on shared storage.
+    disk: str | None = None
 
     @property
     def max_memory(self) -> int:
@@ -168,6 +182,19 @@ def check_memory_fits(config: VMConfig, pooled: bool = False) -> None:
         )
 
 
+@functools.cache
+def disk_image(kernel: str) -> tuple[GuestImage, Path]:
+    """The Debian disk image's kernel and initrd, and its base disk, where
+    guest/image/build-disk.sh caches them (built if missing or stale)."""
+    # Imported here: thinvm.fleet builds on this module.
+    from thinvm.fleet.guest import ensure_disk_image
+
+    # "Installed" in its own cache directory: nothing is copied.
+    image = ensure_disk_image(kernel, cache_dir() / "disk")
+    meta = {"kernel_version": image.kernel_version, "cmdline": image.cmdline}
+    return GuestImage(image.vmlinuz, image.initrd, meta), image.disk
+
+
 def _child_setup(die_with_parent: bool, cgroup: str | None) -> None:
     """preexec_fn: join the cgroup; die if the Python process dies."""
     if cgroup is not None:
@@ -224,6 +251,9 @@ class VM:
         self.agent = AgentClient(str(self.agent_socket), lock=agent_lock)
         self.build: QemuBuild | None = None
         self.image: GuestImage | None = None
+        # A disk guest's root disk (VMConfig.disk, or the overlay it made).
+        self.disk: Path | None = None
+        self._intree_driver = False  # a disk guest swapped to virtio_balloon
         self.accel: str | None = None
         self.boot_seconds: float | None = None
         self.pool_lease: pool_lease.Lease | None = None
@@ -342,11 +372,25 @@ class VM:
             args += ["-qmp", f"unix:{sock},server=on,wait=off"]
         return args
 
+    def _boot_args(self) -> list[str]:
+        """Kernel, initrd and command line; a disk guest's root disk."""
+        assert self.image is not None
+        cfg = self.config
+        base = "console=ttyS0"
+        drive: list[str] = []
+        if self.disk is not None:
+            base = str(self.image.meta["cmdline"])  # root=/dev/vda rw console=ttyS0
+            # The first virtio disk (vda).  Default cache mode: both ends of
+            # a migration run on this host and share its page cache.
+            drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
+        hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
+        append = " ".join(a for a in (base, "panic=-1", hotplug, cfg.append) if a)
+        kernel = ["-kernel", str(self.image.kernel), "-initrd", str(self.image.initrd)]
+        return [*kernel, "-append", append, *drive]
+
     def command_line(self) -> list[str]:
         assert self.build is not None and self.image is not None
         cfg = self.config
-        hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
-        append = " ".join(a for a in ("console=ttyS0 panic=-1", hotplug, cfg.append) if a)
         args = [
             str(self.build.binary),
             "-name",
@@ -363,12 +407,7 @@ class VM:
             "-display",
             "none",
             "-no-reboot",
-            "-kernel",
-            str(self.image.kernel),
-            "-initrd",
-            str(self.image.initrd),
-            "-append",
-            append,
+            *self._boot_args(),
             "-serial",
             f"file:{self.serial_log}",
             *self._qmp_args(),
@@ -394,11 +433,52 @@ class VM:
         try:
             check_memory_fits(self.config, pooled=self.pool_lease is not None)
             self.build = find_build(self.config.build)
-            self.image = ensure_image(self.config.kernel, self.config.guest_driver)
+            self.image = self._guest_image()
             self.accel = accel_mod.resolve(self.config.accel, self.build)
         except BaseException:
             self._return_pool_slot()
             raise
+
+    def _guest_image(self) -> GuestImage:
+        cfg = self.config
+        if cfg.image == "initramfs":
+            return ensure_image(cfg.kernel, cfg.guest_driver)
+        if cfg.image != "disk":
+            choices = " or ".join(GUEST_IMAGES)
+            raise ThinvmError(f"unknown guest image {cfg.image!r}: choose {choices}")
+        if cfg.guest_driver not in DISK_DRIVERS:
+            raise ThinvmError(
+                f"guest driver {cfg.guest_driver!r}: the Debian disk image runs ours "
+                "(thinvm) or the in-tree one (stock)"
+            )
+        image, base = disk_image(cfg.kernel)
+        self.disk = self._root_disk(base)
+        return image
+
+    def _root_disk(self, base: Path) -> Path:
+        """The disk guest's overlay: the configured one, or a new one on `base`."""
+        if self.config.disk is not None:
+            disk = Path(self.config.disk)
+            if not disk.is_file():
+                raise ThinvmError(f"guest disk {disk} does not exist")
+            return disk
+        if self.incoming:
+            raise ThinvmError(
+                "the destination of a disk guest's migration opens its source's disk: "
+                "start it with the source's incoming_config()"
+            )
+        from thinvm.fleet.guest import create_overlay  # see disk_image
+
+        disk = self.rundir / DISK_FILE
+        create_overlay(base, disk)
+        return disk
+
+    def incoming_config(self) -> VMConfig:
+        """The configuration of this VM's migration destination: the same,
+        on the same root disk (a disk guest's overlay is shared storage)."""
+        if self.disk is None:
+            return self.config
+        return replace(self.config, disk=str(self.disk))
 
     def _take_pool_slot(self) -> None:
         if self.config.pool is None or self.pool_lease is not None:
@@ -505,9 +585,18 @@ class VM:
     def wait_agent(self, timeout: float | None = None) -> float:
         timeout = timeout or self.config.boot_timeout
         try:
-            return self.agent.wait_ready(timeout)
+            waited = self.agent.wait_ready(timeout)
         except ThinvmError as exc:
             raise ThinvmError(f"{exc}; serial log: {self.serial_log}") from exc
+        cfg = self.config
+        if self.disk and cfg.guest_driver == "stock" and not (self.incoming or self._intree_driver):
+            # The image loads our driver at boot; a migration's destination
+            # gets the guest with whichever driver it runs.
+            from thinvm.fleet.guest import use_intree_driver  # see disk_image
+
+            use_intree_driver(self.agent)
+            self._intree_driver = True
+        return waited
 
     def qmp(self, command: str, **args: Any) -> Any:
         if self.monitor is None:
