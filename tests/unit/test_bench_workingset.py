@@ -1,11 +1,14 @@
 """migrate-working-set (issue 20): its rows, sizes, counters and targets, without guests."""
 
+import subprocess
+
 import pytest
 
 from thinvm.bench import scenarios as bench_scenarios
 from thinvm.bench.scenarios import common, workingset
 from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.errors import ThinvmError
+from thinvm.guest import workload
 from thinvm.units import GiB, MiB
 
 
@@ -76,7 +79,6 @@ def test_sizes_scale_with_the_guest_or_are_given() -> None:
         ({"data": "256M", "hot": "512M"}, "the hot subset is part of it"),
         ({"passes": "0"}, "passes: want at least 1"),
         ({"hot": "lots"}, "cannot parse size .lots."),
-        ({"guest": "debian"}, "guest=debian is not implemented"),
         ({"guest": "windows"}, "choose busybox or debian"),
     ],
 )
@@ -104,4 +106,45 @@ def test_the_data_disk_exists_only_inside_the_session() -> None:
     with disk.made() as path:
         assert path.stat().st_size == 2 * MiB
         assert str(path) in disk.args()[1]
+    assert not path.exists() and disk.path is None
+
+
+def test_the_debian_guest_reads_a_file_on_a_second_disk() -> None:
+    scenario = build(guest="debian")
+    assert scenario.params["guest"] == "debian"
+    assert "read-only ext4" in scenario.description
+    source = workingset.DATA_SOURCES["debian"]
+    assert (source.path, source.device) == ("/srv/thinvm-ws/data", "vdb")
+    assert workingset.mount_command(source) == (
+        "mkdir -p /srv/thinvm-ws && mount -t ext4 -o ro /dev/vdb /srv/thinvm-ws"
+    )
+    assert workingset.DATA_SOURCES["busybox"] == workingset.DataSource("/dev/vda", "vda")
+
+
+def test_reads_name_their_source() -> None:
+    assert workload.read_disk_command(2 * MiB, passes=3, skip=MiB) == (
+        "for i in $(seq 3); do dd if=/dev/vda of=/dev/null bs=1M count=2 skip=1 2>/dev/null; done"
+    )
+    command = workload.read_disk_command(256 * MiB, source="/srv/thinvm-ws/data")
+    assert "dd if=/srv/thinvm-ws/data of=/dev/null bs=1M count=256 skip=0" in command
+
+
+def test_the_filesystem_holds_the_data_set_with_room_for_its_metadata() -> None:
+    assert workingset.filesystem_size(2 * GiB) == 2 * GiB + 32 * MiB + 64 * MiB
+    assert workingset.filesystem_size(MiB) % MiB == 0
+
+
+def test_the_debian_data_disk_is_an_ext4_image_holding_only_the_data_file() -> None:
+    disk = workingset.DataDisk(4 * MiB, "debian")
+    with disk.made() as path:
+        assert path.stat().st_size == workingset.filesystem_size(4 * MiB)
+        assert not (path.parent / "content" / workingset.DATA_FILE).exists()
+        listing = subprocess.run(
+            ["debugfs", "-R", "ls -l /", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        assert " 4194304 " in listing and listing.rstrip().endswith(workingset.DATA_FILE)
+        label = subprocess.run(
+            ["e2label", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        assert label.strip() == workingset.DATA_LABEL
     assert not path.exists() and disk.path is None

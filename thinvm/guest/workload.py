@@ -91,16 +91,26 @@ def hold_disk_open(agent: AgentClient) -> None:
     agent.check("sleep 1000000 </dev/vda >/dev/null 2>&1 &")
 
 
-def read_disk_command(size: int, passes: int = 1, skip: int = 0) -> str:
-    """The guest shell command that reads `size` bytes of the scratch disk,
-    from `skip` on, `passes` times."""
+SCRATCH_DEVICE = "/dev/vda"
+
+
+def read_disk_command(
+    size: int, passes: int = 1, skip: int = 0, source: str = SCRATCH_DEVICE
+) -> str:
+    """The guest shell command that reads `size` bytes of the scratch disk
+    (or of another file, `source`), from `skip` on, `passes` times."""
     return (
-        f"for i in $(seq {passes}); do dd if=/dev/vda of=/dev/null bs=1M "
+        f"for i in $(seq {passes}); do dd if={source} of=/dev/null bs=1M "
         f"count={size // MiB} skip={skip // MiB} 2>/dev/null; done"
     )
 
 
 def read_disk(
-    agent: AgentClient, size: int, passes: int = 1, skip: int = 0, timeout: float = 300.0
+    agent: AgentClient,
+    size: int,
+    passes: int = 1,
+    skip: int = 0,
+    timeout: float = 300.0,
+    source: str = SCRATCH_DEVICE,
 ) -> None:
-    agent.check(read_disk_command(size, passes, skip), timeout=timeout)
+    agent.check(read_disk_command(size, passes, skip, source), timeout=timeout)

@@ -7,14 +7,22 @@ operator drops the guest's caches first; thinvm trims them first
 (`thinvm migrate --trim`, thinvm.guest.trim).  After arrival the guest
 reads its hot subset again: what the drop or the trim cost it.
 
-Guest kind: the busybox initramfs guest with a virtio-blk scratch disk
-(thinvm.guest.workload), read raw, so its pages are ordinary file LRU
-pages.  The Debian disk image is not bootable by thinvm.vm.machine
-outside libvirt yet (VMConfig boots the initramfs images only), so
-`guest=debian` is refused with a message saying so.
+Guest kinds (`--param guest`):
+
+- busybox: the initramfs guest with a virtio-blk scratch disk
+  (thinvm.guest.workload), read raw, so its pages are ordinary file LRU
+  pages (Buffers).
+- debian: the Debian 12 disk image (guest/image/build-disk.sh; systemd,
+  our agent as a service, our driver by DKMS or, for the stock rows, the
+  in-tree one), booted by thinvm.vm.machine from a qcow2 overlay that the
+  migration's destination opens too.  Its 2 GiB root cannot hold the
+  data set, so the data set is a file on a second disk, a read-only ext4
+  filesystem made on the host once per scenario run (mke2fs -d) and
+  mounted in the guest: page cache of a file on a filesystem (Cached).
 """
 
 import contextlib
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +44,7 @@ from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transpo
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim, workload
-from thinvm.units import MiB, format_size
+from thinvm.units import KiB, MiB, format_size
 from thinvm.vm.machine import VM
 
 SEED = 20
@@ -45,6 +53,13 @@ SECTOR = 512
 # set and the pattern, so that reading the data set evicts nothing.
 HEADROOM = 256 * MiB
 GUEST_KINDS = ("busybox", "debian")
+# The debian guest's data disk: an ext4 filesystem holding one file.
+DATA_LABEL = "thinvm-ws"
+DATA_MOUNT = "/srv/thinvm-ws"
+DATA_FILE = "data"
+# Beyond the file: ext4's metadata with few inodes and no journal, and slack.
+DATA_FS_SLACK = 64 * MiB
+DEBIAN_BOOT_TIMEOUT = 240.0  # systemd under TCG, on a busy 2-core machine
 # What a careful operator scripts before migrating a guest with stock QEMU.
 DROP_CACHES = "sync; echo 3 > /proc/sys/vm/drop_caches"
 SETTLE_TIMEOUT = 60.0
@@ -106,18 +121,58 @@ def guest_kind(params: dict[str, str]) -> str:
     kind = params["guest"]
     if kind not in GUEST_KINDS:
         raise ThinvmError(f"--param guest={kind}: choose {' or '.join(GUEST_KINDS)}")
-    if kind == "debian":
-        raise ThinvmError(
-            "--param guest=debian is not implemented: thinvm.vm.machine boots the busybox "
-            "initramfs images only, and the Debian disk image runs under libvirt "
-            "(docs/fleet.md); use guest=busybox"
-        )
     return kind
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where a guest kind reads its data set: what `dd` reads, and the
+    block device under it (for its /sys/block/<device>/stat)."""
+
+    path: str
+    device: str
+
+
+DATA_WHERE = {
+    "busybox": "a raw virtio-blk disk",
+    "debian": "a file on a second virtio-blk disk (read-only ext4, mounted in the guest)",
+}
+DATA_SOURCES = {
+    "busybox": DataSource(workload.SCRATCH_DEVICE, "vda"),
+    # vda is the root disk (thinvm.vm.machine puts it first), vdb the data disk.
+    "debian": DataSource(f"{DATA_MOUNT}/{DATA_FILE}", "vdb"),
+}
+
+
+def filesystem_size(data: int) -> int:
+    """The data disk's size for a `data`-byte file: whole MiB."""
+    return (data + data // 64 + DATA_FS_SLACK) // MiB * MiB
+
+
+def filesystem_image(directory: Path, data: int) -> Path:
+    """An ext4 image in `directory` holding DATA_FILE, `data` bytes of the
+    scratch disk's non-zero data; the file is made beside it and removed."""
+    content = directory / "content"
+    content.mkdir()
+    workload.scratch_disk(content / DATA_FILE, data)
+    image = directory / "data.img"
+    # No journal (mounted read-only, never recovered), no reserved blocks,
+    # few inodes: the filesystem is the file.
+    cmd = ["mke2fs", "-q", "-t", "ext4", "-b", "4096", "-O", "^has_journal", "-m", "0", "-N", "64"]
+    cmd += ["-L", DATA_LABEL, "-d", str(content), str(image), f"{filesystem_size(data) // KiB}k"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise ThinvmError(f"mke2fs failed: {exc.stderr.strip()[-500:]}") from exc
+    finally:
+        (content / DATA_FILE).unlink()
+    return image
 
 
 def io_counters(text: str) -> tuple[int, int]:
     """(refaulted pages, bytes read from the disk) from the guest's
-    `workingset_refault*` lines of /proc/vmstat followed by /sys/block/vda/stat."""
+    `workingset_refault*` lines of /proc/vmstat followed by the data disk's
+    /sys/block/<device>/stat."""
     refaults = read = 0
     for line in text.splitlines():
         fields = line.split()
@@ -128,30 +183,41 @@ def io_counters(text: str) -> tuple[int, int]:
     return refaults, read
 
 
-def guest_io(vm: VM) -> tuple[int, int]:
+def guest_io(vm: VM, device: str) -> tuple[int, int]:
     text = vm.agent.check(
-        "grep -E '^workingset_refault(_anon|_file)? ' /proc/vmstat; cat /sys/block/vda/stat"
+        f"grep -E '^workingset_refault(_anon|_file)? ' /proc/vmstat; cat /sys/block/{device}/stat"
     ).stdout
     return io_counters(text)
 
 
 def page_cache(vm: VM) -> int:
-    """Buffers + Cached: a raw block device's pages count as Buffers."""
+    """Buffers + Cached: a raw block device's pages count as Buffers, a
+    file's as Cached."""
     info = workload.meminfo(vm.agent)
     return info["Buffers"] + info["Cached"]
 
 
 @dataclass
 class DataDisk:
-    """The scratch disk every run's guests read; made once per scenario run."""
+    """The disk every run's guests read their data set from; made once per
+    scenario run.  busybox: the data set is the raw disk; debian: a file on
+    the disk's filesystem."""
 
     size: int
+    kind: str = "busybox"
     path: Path | None = None
+
+    @property
+    def source(self) -> DataSource:
+        return DATA_SOURCES[self.kind]
 
     @contextlib.contextmanager
     def made(self) -> Iterator[Path]:
         with tempfile.TemporaryDirectory(prefix="thinvm-ws-") as tmp:
-            self.path = workload.scratch_disk(Path(tmp) / "data.img", self.size)
+            if self.kind == "debian":
+                self.path = filesystem_image(Path(tmp), self.size)
+            else:
+                self.path = workload.scratch_disk(Path(tmp) / "data.img", self.size)
             try:
                 yield self.path
             finally:
@@ -198,19 +264,28 @@ def trim_first(ctx: RunContext, src: VM) -> Metrics:
     }
 
 
-def load_working_set(ctx: RunContext, vm: VM, plan: Plan) -> Metrics:
+def mount_command(source: DataSource) -> str:
+    """The guest shell command that mounts the debian guest's data disk."""
+    device = f"/dev/{source.device}"
+    return f"mkdir -p {DATA_MOUNT} && mount -t ext4 -o ro {device} {DATA_MOUNT}"
+
+
+def load_working_set(ctx: RunContext, vm: VM, plan: Plan, source: DataSource) -> Metrics:
     """Pattern, cold read of the data set, hot passes, idle (on the source)."""
     agent = vm.agent
-    workload.hold_disk_open(agent)
+    if source.path == workload.SCRATCH_DEVICE:
+        workload.hold_disk_open(agent)
+    else:
+        agent.check(mount_command(source))
     ctx.step(f"guest writes a {format_size(plan.anon)} pattern")
     workload.pattern_write(agent, plan.anon, SEED)
     ctx.step(f"guest reads its {format_size(plan.data)} data set once")
-    cold_s = timed_in_guest(vm, workload.read_disk_command(plan.data))
+    cold_s = timed_in_guest(vm, workload.read_disk_command(plan.data, source=source.path))
     ctx.step(f"guest re-reads its {format_size(plan.hot)} hot subset")
     if plan.passes > 1:
-        workload.read_disk(agent, plan.hot, passes=plan.passes - 1)
+        workload.read_disk(agent, plan.hot, passes=plan.passes - 1, source=source.path)
     # The last pass, timed: the hot subset served from a warm cache.
-    hot_s = timed_in_guest(vm, workload.read_disk_command(plan.hot))
+    hot_s = timed_in_guest(vm, workload.read_disk_command(plan.hot, source=source.path))
     time.sleep(plan.idle)
     return {"cold_read_ms": cold_s * 1000, "hot_read_src_ms": hot_s * 1000}
 
@@ -233,12 +308,12 @@ def prepared(ctx: RunContext, src: VM, prepare: Prepare | None) -> Metrics:
     }
 
 
-def after_arrival(ctx: RunContext, dst: VM, plan: Plan) -> Metrics:
+def after_arrival(ctx: RunContext, dst: VM, plan: Plan, source: DataSource) -> Metrics:
     """The penalty: the guest reads its hot subset again on the destination."""
     ctx.step("guest re-reads its hot subset on the destination")
-    refaults, read = guest_io(dst)
-    seconds = timed_in_guest(dst, workload.read_disk_command(plan.hot))
-    refaults_after, read_after = guest_io(dst)
+    refaults, read = guest_io(dst, source.device)
+    seconds = timed_in_guest(dst, workload.read_disk_command(plan.hot, source=source.path))
+    refaults_after, read_after = guest_io(dst, source.device)
     return {
         "hot_reread_ms": seconds * 1000,
         "hot_refault_pages": refaults_after - refaults,
@@ -258,17 +333,20 @@ def working_set_migration(
     def run(ctx: RunContext) -> Metrics:
         stack = candidate.stack
         config = opts.vm_config("b-ws", size, stack)
+        if disk.kind == "debian":
+            config.image, config.boot_timeout = "disk", DEBIAN_BOOT_TIMEOUT
         config.extra_args += disk.args()
         with transport.start(config) as src:
             ctx.note("boot_s", src.boot_seconds)
-            metrics = load_working_set(ctx, src, plan)
+            metrics = load_working_set(ctx, src, plan, disk.source)
             if stack.reporting:
                 ctx.step("waiting for free page reporting to settle")
                 settle(lambda: src.host_memory().rss, timeout=SETTLE_TIMEOUT)
             metrics.update(prepared(ctx, src, prepare))
-            with transport.start(config, incoming=True) as dst:
+            # A debian guest's destination opens the source's root disk.
+            with transport.start(src.incoming_config(), incoming=True) as dst:
                 migrated = transport.migrate(src, dst, ctx, stack.caps, candidate.params)
-                metrics.update(after_arrival(ctx, dst, plan))
+                metrics.update(after_arrival(ctx, dst, plan, disk.source))
                 metrics["dst_rss_bytes"] = dst.host_memory().rss
                 verify_pattern(dst, ctx, SEED)
         figures = migrated.metrics
@@ -282,7 +360,7 @@ def make_migrate_working_set(opts: BenchOptions, params: dict[str, str], size: i
     kind = guest_kind(params)
     plan = make_plan(params, size)
     transport = Transport(opts.net)
-    disk = DataDisk(plan.data)
+    disk = DataDisk(plan.data, kind)
 
     def maker(prepare: Prepare | None) -> Callable[[Candidate], Callable[[RunContext], Metrics]]:
         def make(c: Candidate) -> Callable[[RunContext], Metrics]:
@@ -319,7 +397,7 @@ def make_migrate_working_set(opts: BenchOptions, params: dict[str, str], size: i
         title="a guest that read a data set once migrates: stock-best, drop_caches, --trim",
         description=(
             f"A {format_size(size)} {kind} guest writes a {format_size(plan.anon)} pattern "
-            f"(tmpfs), reads a {format_size(plan.data)} data set from a virtio-blk disk "
+            f"(tmpfs), reads a {format_size(plan.data)} data set from {DATA_WHERE[kind]} "
             f"once (cold page cache), reads its first {format_size(plan.hot)} (the hot "
             f"subset) {plan.passes} more times, idles {plan.idle:g} s (with free page "
             "reporting: until the source's RSS stops falling) and live-migrates to a new "
