@@ -136,15 +136,13 @@ prepare_tree() {
 	echo "$tree"
 }
 
+# The build directory remembers the arguments it was configured with
+# (.thinvm-configure, one a line): a directory configured with others is
+# configured again in place (QEMU's configure starts meson afresh there and
+# ninja then rebuilds what the new configuration changed, mostly from
+# ccache), so a warm cache picks up a change to the list below.
 configure_build() {
 	local flavour=$1 tree=$2 build=$cache/qemu/$1-build
-	if [ -f "$build/build.ninja" ]; then
-		echo "$build"
-		return
-	fi
-	log "configuring $flavour build"
-	rm -rf "$build"
-	mkdir -p "$build"
 	# configure pins the compiler, which defeats meson's own ccache
 	# detection: name ccache explicitly so the second flavour and any
 	# rebuild from scratch hit the cache.
@@ -152,19 +150,38 @@ configure_build() {
 	command -v ccache >/dev/null && cc="ccache gcc"
 	# TSan needs the fiber interface of gcc's libtsan for coroutines.
 	[ "$flavour" = tsan ] && extra=(--enable-tsan)
-	(cd "$build" && "$tree/configure" \
-		--cc="$cc" "${extra[@]}" \
-		--python="$venv/bin/python3" \
-		--target-list=x86_64-softmmu \
-		--enable-kvm --enable-tcg \
-		--disable-docs --disable-install-blobs --disable-download \
-		--disable-user --disable-tools --disable-guest-agent \
-		--disable-gtk --disable-sdl --disable-vnc --disable-opengl \
-		--disable-spice --disable-curses --disable-xen \
-		--disable-werror \
-		--with-pkgversion="thinvm-$flavour" \
-		--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu) >&2 ||
+	# zstd: multifd-compression=zstd (bench migrate-compress); required,
+	# so a host without libzstd-dev fails here rather than build without.
+	local args=(
+		--cc="$cc" "${extra[@]}"
+		--python="$venv/bin/python3"
+		--target-list=x86_64-softmmu
+		--enable-kvm --enable-tcg --enable-zstd
+		--disable-docs --disable-install-blobs --disable-download
+		--disable-user --disable-tools --disable-guest-agent
+		--disable-gtk --disable-sdl --disable-vnc --disable-opengl
+		--disable-spice --disable-curses --disable-xen
+		--disable-werror
+		--with-pkgversion="thinvm-$flavour"
+		--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu
+	)
+	local stamp=$build/.thinvm-configure want
+	want=$(printf '%s\n' "$tree/configure" "${args[@]}")
+	if [ -f "$build/build.ninja" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+		echo "$build"
+		return
+	fi
+	if [ -f "$build/build.ninja" ]; then
+		log "configuring $flavour build again: its configure arguments changed"
+	else
+		log "configuring $flavour build"
+		rm -rf "$build"
+		mkdir -p "$build"
+	fi
+	rm -f "$stamp"
+	(cd "$build" && "$tree/configure" "${args[@]}") >&2 ||
 		die "configure failed for $flavour (see above)"
+	printf '%s\n' "$want" >"$stamp"
 	echo "$build"
 }
 

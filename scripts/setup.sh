@@ -10,10 +10,11 @@ venv=${THINVM_VENV:-$cache/venv}
 
 # Debian packages thinvm builds and runs with.  qemu-system-data and seabios
 # provide the firmware our minimal QEMU build does not install itself;
+# libzstd-dev is for multifd-compression=zstd (qemu/build.sh requires it);
 # swtpm is the vTPM a sparse-ram qtest migrates.
 packages=(
 	gcc make patch pkg-config ninja-build ccache rsync flex bison
-	libglib2.0-dev libpixman-1-dev zlib1g-dev
+	libglib2.0-dev libpixman-1-dev zlib1g-dev libzstd-dev
 	seabios qemu-system-data ipxe-qemu
 	busybox-static cpio kmod zstd xz-utils bc libelf-dev dwarves
 	python3-venv strace iproute2
