@@ -673,25 +673,61 @@ def test_save_restore_saves_both_as_mapped_ram_over_multifd() -> None:
     assert all(t.at_most == 0.2 and t.reference == "stock-best" for t in scenario.targets)
 
 
-def test_migrate_compress_compares_zlib_with_none_at_the_same_cap() -> None:
+def test_migrate_compress_compares_zstd_with_none_on_both_stacks_at_the_same_cap() -> None:
     scenario = bench_scenarios.get("migrate-compress").build(BenchOptions())
     names = [v.name for v in scenario.variants]
     assert names == [
         "stock-best",
         "thinvm",
-        "thinvm-zlib",
+        "stock-best-zstd",
+        "thinvm-zstd",
         "stock-best-1gbit",
         "thinvm-1gbit",
-        "thinvm-zlib-1gbit",
+        "stock-best-zstd-1gbit",
+        "thinvm-zstd-1gbit",
     ]
     assert scenario.baseline_name == "stock-best"
     assert scenario.references == {
-        "thinvm-zlib": "thinvm",
+        "stock-best-zstd": "stock-best",
+        "thinvm-zstd": "thinvm",
         "thinvm-1gbit": "stock-best-1gbit",
-        "thinvm-zlib-1gbit": "thinvm-1gbit",
+        "stock-best-zstd-1gbit": "stock-best-1gbit",
+        "thinvm-zstd-1gbit": "thinvm-1gbit",
     }
     assert scenario.params["size"] == "16.00 GiB"
     assert scenario.params["used"] == "512.00 MiB"
+    assert scenario.params["compression"] == "zstd"
+    assert "uncapped over loopback" in scenario.variants[0].description
+    assert "rate" not in scenario.params
+
+
+def test_migrate_compress_keeps_the_zlib_rows() -> None:
+    options = BenchOptions(params={"compression": "zlib"})
+    names = [v.name for v in bench_scenarios.get("migrate-compress").build(options).variants]
+    # The rows of the zlib record (2026-11-22) and stock-best with zlib.
+    assert names == [
+        "stock-best",
+        "thinvm",
+        "stock-best-zlib",
+        "thinvm-zlib",
+        "stock-best-1gbit",
+        "thinvm-1gbit",
+        "stock-best-zlib-1gbit",
+        "thinvm-zlib-1gbit",
+    ]
+
+
+def test_migrate_compress_over_veth_at_10gbit_without_a_cap() -> None:
+    options = BenchOptions(net="veth", params={"cap_mbps": "0"})
+    scenario = bench_scenarios.get("migrate-compress").build(options)
+    assert [v.name for v in scenario.variants] == [
+        "stock-best",
+        "thinvm",
+        "stock-best-zstd",
+        "thinvm-zstd",
+    ]
+    assert all("over a 10gbit veth link" in v.description for v in scenario.variants)
+    assert (scenario.params["net"], scenario.params["rate"]) == ("veth", "10gbit")
 
 
 def test_compress_params_model_the_link_in_bytes_per_second() -> None:
@@ -699,19 +735,34 @@ def test_compress_params_model_the_link_in_bytes_per_second() -> None:
         "multifd-compression": "zlib",
         "max-bandwidth": 125_000_000,
     }
+    assert scale.compress_params("zstd", 10_000) == {
+        "multifd-compression": "zstd",
+        "max-bandwidth": 1_250_000_000,
+    }
     assert scale.compress_params("none", None) == {"multifd-compression": "none"}
     assert scale.link_name(1000) == "1gbit"
+    assert scale.link_name(10_000) == "10gbit"
     assert scale.link_name(400) == "400mbit"
-    with pytest.raises(ThinvmError, match="choose one of none, zlib"):
-        scale.compress_params("zstd", None)
+    with pytest.raises(ThinvmError, match="choose one of none, zlib, zstd"):
+        scale.compress_params("qpl", None)
+
+
+def test_compress_rows_name_method_then_link() -> None:
+    assert scale.compress_rows("zstd", "10gbit") == [
+        ("stock-best-10gbit", "stock-best", "none", None),
+        ("thinvm-10gbit", "thinvm", "none", "stock-best-10gbit"),
+        ("stock-best-zstd-10gbit", "stock-best", "zstd", "stock-best-10gbit"),
+        ("thinvm-zstd-10gbit", "thinvm", "zstd", "thinvm-10gbit"),
+    ]
+    assert scale.compress_variant_name("thinvm", "zlib", None) == "thinvm-zlib"
 
 
 @pytest.mark.parametrize(
     ("params", "error"),
     [
-        ({"compression": "zstd"}, "choose one of"),
+        ({"compression": "lz4"}, "choose one of"),
         ({"compression": "none"}, "name the method"),
-        ({"cap_mbps": "0"}, "positive link speed"),
+        ({"cap_mbps": "-1"}, "want a link speed"),
     ],
 )
 def test_migrate_compress_refuses_bad_parameters(params: dict[str, str], error: str) -> None:

@@ -128,12 +128,20 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ),
         ScenarioSpec(
             "migrate-compress",
-            "multifd compression none vs zlib for a big guest, uncapped and on a 1 Gbit/s link",
+            "multifd compression none vs zstd (or zlib), stock-best and thinvm, for a big "
+            "guest: uncapped (or over veth) and on a 1 Gbit/s link",
             make_migrate_compress,
             "16G",
             "guest RAM",
             default_runs=3,
-            params={"idle": "2", "used": "512M", "compression": "zlib", "cap_mbps": "1000"},
+            # rate: the veth link's (--net veth); cap_mbps=0: no capped rows.
+            params={
+                "idle": "2",
+                "used": "512M",
+                "compression": "zstd",
+                "cap_mbps": "1000",
+                "rate": "10gbit",
+            },
         ),
         ScenarioSpec(
             "density",
