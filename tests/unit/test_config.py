@@ -241,7 +241,8 @@ def _disk_vm(config: VMConfig, incoming: bool = False) -> VM:
 
 
 def test_a_disk_guest_boots_from_its_overlay_as_the_first_virtio_disk() -> None:
-    config = VMConfig(image="disk", extra_args=["-drive", "file=/d.img,if=virtio,format=raw"])
+    drive = ["-drive", "file=/d.img,if=virtio,format=raw"]
+    config = VMConfig(image="disk", guest_driver="thinvm", extra_args=drive)
     args = _disk_vm(config).command_line()
     assert _option(args, "-append") == ["root=/dev/vda rw console=ttyS0 panic=-1"]
     assert _option(args, "-kernel") == ["/k"] and _option(args, "-initrd") == ["/i"]
@@ -295,21 +296,28 @@ def test_bad_guest_images(config: VMConfig, message: str) -> None:
         VM(config, rundir=Path("/tmp/thinvm-unit"))._guest_image()
 
 
-def test_a_stock_disk_guest_swaps_to_the_in_tree_driver_once(
+def test_a_stock_disk_guest_loads_the_in_tree_driver_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    swapped: list[object] = []
-    monkeypatch.setattr("thinvm.fleet.guest.use_intree_driver", swapped.append)
+    swapped: list[str] = []
+    monkeypatch.setattr(
+        "thinvm.fleet.guest.guest_info", lambda agent: {"balloon_driver": "virtio_balloon"}
+    )
 
     def booted(config: VMConfig, incoming: bool = False) -> VM:
         vm = _disk_vm(config, incoming)
         monkeypatch.setattr(vm.agent, "wait_ready", lambda timeout: 1.0)
+        monkeypatch.setattr(vm.agent, "check", swapped.append)
         return vm
 
     vm = booted(VMConfig(image="disk", guest_driver="stock"))
     vm.wait_agent()
     vm.wait_agent()
-    assert swapped == [vm.agent]
+    assert swapped == ['insmod "$(modinfo -F filename virtio_balloon)"']
+    # It booted without ours: removing ours from a running 6.12 guest fails.
+    assert "module_blacklist=thinvm_balloon" in _option(vm.command_line(), "-append")[0]
+    ours = _disk_vm(VMConfig(image="disk", guest_driver="thinvm"))
+    assert "module_blacklist" not in _option(ours.command_line(), "-append")[0]
     # Ours stays; a destination gets the guest with the driver it runs.
     booted(VMConfig(image="disk", guest_driver="thinvm")).wait_agent()
     booted(VMConfig(image="disk", guest_driver="stock"), incoming=True).wait_agent()

@@ -64,6 +64,10 @@ MIN_MEMORY = 256 * MiB
 GUEST_IMAGES = ("initramfs", "disk")
 DISK_DRIVERS = ("thinvm", "stock")
 DISK_FILE = "disk.qcow2"  # a disk guest's overlay, in its run directory
+# A disk guest on the in-tree driver never loads ours: on 6.12, removing
+# thinvm_balloon from a running guest kills rmmod (module refcount -1).
+NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
+INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
 PR_SET_PDEATHSIG = 1
 
 
@@ -380,6 +384,8 @@ class VM:
         drive: list[str] = []
         if self.disk is not None:
             base = str(self.image.meta["cmdline"])  # root=/dev/vda rw console=ttyS0
+            if cfg.guest_driver == "stock":
+                base += f" {NO_THINVM_DRIVER}"
             # The first virtio disk (vda).  Default cache mode: both ends of
             # a migration run on this host and share its page cache.
             drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
@@ -590,11 +596,15 @@ class VM:
             raise ThinvmError(f"{exc}; serial log: {self.serial_log}") from exc
         cfg = self.config
         if self.disk and cfg.guest_driver == "stock" and not (self.incoming or self._intree_driver):
-            # The image loads our driver at boot; a migration's destination
-            # gets the guest with whichever driver it runs.
-            from thinvm.fleet.guest import use_intree_driver  # see disk_image
+            # Booted without a balloon driver (NO_THINVM_DRIVER); the package
+            # blacklists the in-tree one for modprobe, so it goes in by file.
+            # A migration's destination gets the guest with its driver.
+            from thinvm.fleet.guest import guest_info  # see disk_image
 
-            use_intree_driver(self.agent)
+            self.agent.check(INTREE_DRIVER)
+            driver = guest_info(self.agent).get("balloon_driver")
+            if driver != "virtio_balloon":
+                raise ThinvmError(f"the in-tree balloon driver did not take the device ({driver})")
             self._intree_driver = True
         return waited
 
