@@ -10,7 +10,8 @@ from thinvm.bench import scenarios as bench_scenarios
 from thinvm.bench.scenarios import fleet
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
 from thinvm.bench.types import BenchOptions, Scenario
-from thinvm.fleet import emulator, guest
+from thinvm.fleet import cluster, emulator, guest
+from thinvm.fleet.domain import AGENT_PORT
 from thinvm.units import MiB
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
@@ -102,3 +103,14 @@ def test_selecting_the_fast_rows_leaves_out_the_packaged_ones() -> None:
     scenario.select(["pkg-stock-best", "pkg-thinvm", "pkg-thinvm-to-stock"])
     assert len(scenario.variants) == len(STOCK_CANDIDATES) + len(THINVM_CANDIDATES) + 1
     assert all(v.name.startswith("pkg-") for v in scenario.variants)
+
+
+@pytest.mark.parametrize("name", sorted(fleet.CLUSTERS))
+def test_agent_sockets_of_bench_clusters_fit_a_unix_socket_path(name: str) -> None:
+    """sun_path holds 107 bytes: a longer path cannot be connected to, and
+    the guest looks silent (the packaged cluster's first root was too long)."""
+    kind = fleet.CLUSTERS[name]
+    (host,) = cluster.plan_hosts(1, kind.root, packaged=kind.packaged)
+    channel = f"/run/libvirt/qemu/channel/9999-{fleet.GUEST}/{AGENT_PORT}"
+    # libvirt 11.3 names the channel directory by domain id and name.
+    assert len(bytes(host.outside(channel))) <= 107

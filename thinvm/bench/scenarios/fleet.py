@@ -72,9 +72,11 @@ CLUSTERS = {
     # Two hosts a side: thinvm -> thinvm and stock -> stock each need a
     # pair, and a host cannot be both (fleet migrate gives a guest
     # thinvm-qemu wherever it is installed).
+    # A short root: a packaged host's agent sockets lie deeper in it
+    # (root/run/libvirt/qemu/channel/ID-NAME/...), and a unix socket's path
+    # must fit in 107 bytes, else the agent cannot be reached at all.
     "packaged": ClusterKind(
-        Path("/var/lib/thinvm/bench-cluster-packaged"), hosts=4, packaged=True,
-        stock=("h3", "h4"),
+        Path("/var/lib/thinvm/bench-pkg"), hosts=4, packaged=True, stock=("h3", "h4"),
     ),
 }  # fmt: skip
 # Packaged hosts by the QEMU they run guests on (ClusterKind "packaged").
