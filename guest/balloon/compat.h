@@ -68,7 +68,9 @@
 /*
  * Virtqueue discovery.  6.11 replaced the parallel callbacks[]/names[]
  * arrays of virtio_find_vqs() with an array of struct virtqueue_info.
- * A NULL name means "this queue does not exist" in both APIs.
+ * A NULL name means "this queue does not exist" in both APIs, but
+ * tb_find_vqs() passes none: virtio_pci in 6.11 to 6.12.95 at least
+ * mishandles them when it deletes the queues (see there).
  */
 struct thinvm_vq_desc {
 	const char *name;

@@ -434,34 +434,57 @@ static void tb_config_changed(struct virtio_device *vdev)
 		tb_hint_config_changed(tb);
 }
 
+/* One virtqueue the driver may ask for, in the order of the device's queues. */
+struct tb_vq_want {
+	bool on;			/* its feature was negotiated */
+	struct thinvm_vq_desc desc;
+	struct virtqueue **vq;		/* where the queue goes, NULL if off */
+};
+
 static int tb_find_vqs(struct thinvm_balloon *tb)
 {
-	struct thinvm_vq_desc desc[TB_VQ_MAX] = {
-		[TB_VQ_INFLATE] = { "inflate", tb_vq_ack },
-		[TB_VQ_DEFLATE] = { "deflate", tb_vq_ack },
+	const struct tb_vq_want want[TB_VQ_MAX] = {
+		[TB_VQ_INFLATE] = { true, { "inflate", tb_vq_ack },
+				    &tb->inflate_vq },
+		[TB_VQ_DEFLATE] = { true, { "deflate", tb_vq_ack },
+				    &tb->deflate_vq },
+		[TB_VQ_STATS] = { tb_has(tb, VIRTIO_BALLOON_F_STATS_VQ),
+				  { "stats", tb_stats_request },
+				  &tb->stats_vq },
+		[TB_VQ_HINT] = { tb_has(tb, VIRTIO_BALLOON_F_FREE_PAGE_HINT),
+				 { "free_page", NULL }, &tb->hint_vq },
+		[TB_VQ_REPORT] = { tb_has(tb, VIRTIO_BALLOON_F_REPORTING),
+				   { "reporting", tb_vq_ack },
+				   &tb->report_vq },
 	};
-	struct virtqueue *vqs[TB_VQ_MAX] = {};
+	struct thinvm_vq_desc desc[TB_VQ_MAX];
+	struct virtqueue *vqs[TB_VQ_MAX];
+	unsigned int i, n = 0;
 	int err;
 
-	/* Queues of features that were not negotiated keep a NULL name. */
-	if (tb_has(tb, VIRTIO_BALLOON_F_STATS_VQ))
-		desc[TB_VQ_STATS] = (struct thinvm_vq_desc){
-			"stats", tb_stats_request };
-	if (tb_has(tb, VIRTIO_BALLOON_F_FREE_PAGE_HINT))
-		desc[TB_VQ_HINT] = (struct thinvm_vq_desc){ "free_page", NULL };
-	if (tb_has(tb, VIRTIO_BALLOON_F_REPORTING))
-		desc[TB_VQ_REPORT] = (struct thinvm_vq_desc){
-			"reporting", tb_vq_ack };
-
-	err = thinvm_find_vqs(tb->vdev, TB_VQ_MAX, vqs, desc);
+	/*
+	 * Ask only for the queues of negotiated features, with no unnamed
+	 * entries in between.  The transports number the queues they create
+	 * consecutively and skip unnamed entries, so the device sees the
+	 * same queue indices either way.  But from 6.11 (struct
+	 * virtqueue_info) virtio_pci keeps each queue's state under its
+	 * array position and del_vqs() looks it up under its queue index:
+	 * with a gap before a queue (reporting without hinting), deleting
+	 * the queues dereferenced a NULL pointer, so rmmod was killed and
+	 * the module stayed half unloaded (Debian's 6.12.95).
+	 */
+	for (i = 0; i < TB_VQ_MAX; i++) {
+		*want[i].vq = NULL;
+		if (want[i].on)
+			desc[n++] = want[i].desc;
+	}
+	err = thinvm_find_vqs(tb->vdev, n, vqs, desc);
 	if (err)
 		return err;
-
-	tb->inflate_vq = vqs[TB_VQ_INFLATE];
-	tb->deflate_vq = vqs[TB_VQ_DEFLATE];
-	tb->stats_vq = vqs[TB_VQ_STATS];
-	tb->hint_vq = vqs[TB_VQ_HINT];
-	tb->report_vq = vqs[TB_VQ_REPORT];
+	for (i = 0, n = 0; i < TB_VQ_MAX; i++) {
+		if (want[i].on)
+			*want[i].vq = vqs[n++];
+	}
 
 	/* Hinting keeps one descriptor free for its stop id. */
 	if (tb->hint_vq && virtqueue_get_vring_size(tb->hint_vq) < 2) {

@@ -66,6 +66,7 @@ struct thinvm_balloon_config {
 #define TB_HINT_ORDER		THINVM_MAX_PAGE_ORDER
 #define TB_HINT_BLOCK_PAGES	BIT(TB_HINT_ORDER)
 
+/* The device's virtqueues, in its order; only negotiated ones exist. */
 enum tb_vq {
 	TB_VQ_INFLATE,
 	TB_VQ_DEFLATE,
