@@ -11,7 +11,10 @@
 #
 #   --balloon stock  Debian's virtio_balloon module (default)
 #   --balloon none   no balloon driver in the image
-#   --balloon KO     this virtio_balloon.ko instead of Debian's, loaded last
+#   --balloon KO     this virtio_balloon.ko instead of Debian's, loaded last;
+#                    Debian's is in the image too, not loaded, as
+#                    /lib/modules/thinvm/intree/virtio_balloon.ko, for
+#                    tests that swap drivers in a running guest
 #
 # The last line on stdout is the image directory, holding vmlinuz,
 # initramfs.cpio.gz and image.json.  Progress goes to stderr.
@@ -190,11 +193,21 @@ check_custom_ko() {
 	done
 }
 
+# With our driver in the image, Debian's virtio_balloon goes in as well,
+# unloaded: $tmp/intree gets its path.  Its dependencies (virtio,
+# virtio_ring) are those of virtio_pci, which is always loaded.
+intree_balloon() {
+	modprobe -C /dev/null -d "$kroot" -S "$kver" --show-depends virtio_balloon 2>/dev/null |
+		awk '$1 == "insmod" && $2 ~ /\/virtio_balloon\.ko/ { print $2 }' >"$tmp/intree"
+	[ -s "$tmp/intree" ] || log "warning: no virtio_balloon module in $kver to add unloaded"
+}
+
 # Writes $tmp/modlist: NAME PATH, deduplicated, in load order.
 resolve_modules() {
 	local m
 	: >"$tmp/modules"
 	: >"$tmp/builtin"
+	: >"$tmp/intree"
 	for m in "${base_modules[@]}"; do
 		resolve_module "$m"
 	done
@@ -206,7 +219,10 @@ resolve_modules() {
 			log "warning: virtio_balloon is built into $kver; --balloon none cannot remove it"
 		fi
 		;;
-	*) check_custom_ko ;;
+	*)
+		check_custom_ko
+		intree_balloon
+		;;
 	esac
 	awk '!seen[$1]++' "$tmp/modules" >"$tmp/modlist"
 	if [ -n "$balloon_ko" ]; then
@@ -221,7 +237,7 @@ resolve_modules() {
 inputs_hash() {
 	{
 		echo "$kpkg $kpkg_version $balloon_variant"
-		cat "$tmp/modlist"
+		cat "$tmp/modlist" "$tmp/intree"
 		sha256sum "$here/build.sh" "$here/init" "$(command -v busybox)" \
 			"$agent_src"/*.[ch] "$agent_src"/Makefile ${balloon_ko:+"$balloon_ko"} |
 			awk '{ print $1 }'
@@ -249,21 +265,28 @@ add_busybox() {
 	done
 }
 
+# busybox insmod wants plain ELF; Debian 6.12 ships .ko.xz.
+copy_module() {
+	case $1 in
+	*.ko.xz) xz -dc "$1" >"$2" ;;
+	*.ko.zst) zstd -qdc "$1" >"$2" ;;
+	*.ko.gz) gzip -dc "$1" >"$2" ;;
+	*) cp "$1" "$2" ;;
+	esac
+}
+
 add_modules() {
-	local name path dst
+	local name path
 	mkdir -p "$root/lib/modules/thinvm"
 	: >"$root/etc/thinvm/modules"
 	while read -r name path; do
-		dst=$root/lib/modules/thinvm/$name.ko
-		# busybox insmod wants plain ELF; Debian 6.12 ships .ko.xz.
-		case $path in
-		*.ko.xz) xz -dc "$path" >"$dst" ;;
-		*.ko.zst) zstd -qdc "$path" >"$dst" ;;
-		*.ko.gz) gzip -dc "$path" >"$dst" ;;
-		*) cp "$path" "$dst" ;;
-		esac
+		copy_module "$path" "$root/lib/modules/thinvm/$name.ko"
 		echo "$name" >>"$root/etc/thinvm/modules"
 	done <"$tmp/modlist"
+	if [ -s "$tmp/intree" ]; then
+		mkdir -p "$root/lib/modules/thinvm/intree"
+		copy_module "$(cat "$tmp/intree")" "$root/lib/modules/thinvm/intree/virtio_balloon.ko"
+	fi
 }
 
 json_list() {
