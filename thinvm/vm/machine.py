@@ -64,8 +64,9 @@ MIN_MEMORY = 256 * MiB
 GUEST_IMAGES = ("initramfs", "disk")
 DISK_DRIVERS = ("thinvm", "stock")
 DISK_FILE = "disk.qcow2"  # a disk guest's overlay, in its run directory
-# A disk guest on the in-tree driver never loads ours: on 6.12, removing
-# thinvm_balloon from a running guest kills rmmod (module refcount -1).
+# A disk guest on the in-tree driver never loads ours: a swap after boot
+# costs a module load and unload per run, and before our driver packed its
+# queue list (guest/balloon, 2026-11-25) that rmmod died on 6.12.
 NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
 INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
 PR_SET_PDEATHSIG = 1
