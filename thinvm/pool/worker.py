@@ -134,14 +134,20 @@ class Worker:
         if action.kind == "fill":
             self._finish(slot, "free" if done else "empty", "" if done else why)
             return action if done else Action("idle", slot.index, why)
-        self._finish(slot, "dirty" if error else "empty", error)
+        try:
+            # Before the slot shows as empty: whoever reads the pool's status
+            # then must find its huge pages back with the kernel, not still
+            # reserved in vm.nr_hugepages.  The slot is ours ("scrubbing")
+            # until _finish, and only leased slots hold pages back (_owed).
+            if action.kind == "shrink" and not error and cfg.manage_hugepages:
+                self._give_back_hugepages(cfg)
+        finally:
+            self._finish(slot, "dirty" if error else "empty", error)
         if error:
             return Action("idle", slot.index, error)
         if action.kind == "shrink":
             self.fill_after = time.monotonic() + cfg.policy.cooldown
             self.log(f"slot {slot.index}: given back ({action.reason})")
-            if cfg.manage_hugepages:
-                self._give_back_hugepages(cfg)
         return action
 
     def progress(self, text: str) -> None:
