@@ -24,6 +24,7 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate, pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
+from thinvm.guest import image as guest_image
 from thinvm.units import KiB, MiB
 
 pytestmark = [
@@ -40,12 +41,12 @@ COLD_MIB = 256
 
 
 @pytest.fixture(scope="module")
-def images() -> dict[str, guest.DiskImage]:
-    return {k: guest.ensure_disk_image(k) for k in ("6.1", "6.12")}
+def images() -> dict[str, guest_image.DiskImage]:
+    return {k: guest_image.ensure_disk_image(k) for k in ("6.1", "6.12")}
 
 
 @pytest.fixture(scope="module")
-def fleet(images: dict[str, guest.DiskImage]) -> Iterator[ClusterState]:
+def fleet(images: dict[str, guest_image.DiskImage]) -> Iterator[ClusterState]:
     for flavour in ("patched", "stock"):
         emulator.install(flavour)
     root = Path("/var/lib/thinvm") / f"test-cluster-{os.getpid()}"
@@ -68,8 +69,8 @@ def assert_nothing_left(root: Path) -> None:
     assert not root.exists()
 
 
-def start(state: ClusterState, images: dict[str, guest.DiskImage], name: str, host: str = "h1",
-          kernel: str = "6.1", thinvm: bool = True, memory: int = MEMORY,
+def start(state: ClusterState, images: dict[str, guest_image.DiskImage], name: str,
+          host: str = "h1", kernel: str = "6.1", thinvm: bool = True, memory: int = MEMORY,
           virtio_mem: int = 0, portable: bool = False) -> Host:  # fmt: skip
     h = state.host(host)
     spec = guest.spec_for(
@@ -131,14 +132,14 @@ def is_qemu(pid: int) -> bool:
 
 @pytest.mark.parametrize("kernel", ["6.1", "6.12"])
 def test_image_boots_with_the_dkms_driver(
-    fleet: ClusterState, images: dict[str, guest.DiskImage], kernel: str
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage], kernel: str
 ) -> None:
     name = f"boot-{kernel.replace('.', '-')}"
     h = start(fleet, images, name, kernel=kernel)
     try:
         # The images QEMU reads are installed outside /root, for anyone to read.
         image = images[kernel]
-        assert image.directory.parent == guest.IMAGES_DIR, image
+        assert image.directory.parent == guest_image.IMAGES_DIR, image
         for path in (image.vmlinuz, image.initrd, image.disk):
             assert path.stat().st_mode & 0o004, path
         dom = ET.fromstring(virsh(h, "dumpxml", name))
@@ -146,7 +147,7 @@ def test_image_boots_with_the_dkms_driver(
         assert dom.findtext("os/initrd") == str(image.initrd)
         client = guest.agent(h, name)
         try:
-            info = guest.guest_info(client)
+            info = guest_image.guest_info(client)
             dkms = client.check("dkms status thinvm-balloon").stdout
         finally:
             client.close()
@@ -160,7 +161,7 @@ def test_image_boots_with_the_dkms_driver(
 
 
 def test_setmem_migrate_back_and_forth_save_restore(
-    fleet: ClusterState, images: dict[str, guest.DiskImage]
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
     """setmem by page ranges; h1 -> h2 -> h1 -> h2, the last one `thinvm
     fleet migrate --trim` (issue 20): the guest reads a file of its disk
@@ -237,7 +238,7 @@ def test_setmem_migrate_back_and_forth_save_restore(
 
 
 def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
-    fleet: ClusterState, images: dict[str, guest.DiskImage]
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
     """A rolling upgrade's migrations: thinvm host -> a host still on stock
     QEMU -> thinvm host, over multifd and TLS.  The thinvm source skips
@@ -266,7 +267,7 @@ def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
 
 
 def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
-    fleet: ClusterState, images: dict[str, guest.DiskImage]
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
     name = "vmem"
     h1, h2 = fleet.host("h1"), fleet.host("h2")
@@ -325,7 +326,7 @@ def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
 
 
 def test_faults_at_the_destination_leave_the_guest_on_the_source(
-    fleet: ClusterState, images: dict[str, guest.DiskImage]
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
     """A refusing destination (stock QEMU), a destination QEMU killed and a
     destination libvirtd killed mid-migration: each time the guest keeps
@@ -419,7 +420,7 @@ def migrate_while(h1: Host, h2: Host, name: str, fault: Callable[[], list[int]])
 
 
 def test_ranges_on_the_stock_emulator_is_a_clear_error(
-    fleet: ClusterState, images: dict[str, guest.DiskImage]
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
     h = fleet.host("h1")
     shared = cluster.shared_dir(Path(h.root).parent.parent)
@@ -520,7 +521,7 @@ def test_down_after_a_crash_and_twice_leaves_nothing() -> None:
 
 
 def test_balance_controller_drives_a_libvirt_domain(
-    fleet: ClusterState, images: dict[str, guest.DiskImage], tmp_path: Path
+    fleet: ClusterState, images: dict[str, guest_image.DiskImage], tmp_path: Path
 ) -> None:
     """`thinvm balance --connect URI` reads the domain's stats through libvirt,
     sets targets with `virsh setmem`, and the guest's driver follows them."""

@@ -27,6 +27,7 @@ from tests.conftest import thinvm_cli
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import DomainSpec, domain_xml, is_portable
+from thinvm.guest import image as guest_image
 from thinvm.units import MiB
 
 pytestmark = [
@@ -43,12 +44,12 @@ STOCK = str(emulator.PACKAGED_STOCK)
 
 
 @pytest.fixture(scope="module")
-def image() -> guest.DiskImage:
-    return guest.ensure_disk_image("6.1")
+def image() -> guest_image.DiskImage:
+    return guest_image.ensure_disk_image("6.1")
 
 
 @pytest.fixture(scope="module")
-def packaged(image: guest.DiskImage) -> Iterator[ClusterState]:
+def packaged(image: guest_image.DiskImage) -> Iterator[ClusterState]:
     """Three packaged hosts, all still on Debian's QEMU."""
     root = Path("/var/lib/thinvm") / f"test-packaged-{os.getpid()}"
     os.environ["THINVM_CLUSTER_DIR"] = str(root)
@@ -105,7 +106,7 @@ def boot_id(h: Host, name: str) -> str:
     return in_guest(h, name, "cat /proc/sys/kernel/random/boot_id").strip()
 
 
-def start(state: ClusterState, image: guest.DiskImage, name: str, host: str) -> Host:
+def start(state: ClusterState, image: guest_image.DiskImage, name: str, host: str) -> Host:
     """A portable guest in operator-style XML: no qemu: namespace at all
     (no page ranges, no hinting override, no sparse-ram argument)."""
     h = state.host(host)
@@ -167,7 +168,7 @@ def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> 
 
 
 def test_rolling_upgrade_of_three_hosts_then_purge(
-    packaged: ClusterState, image: guest.DiskImage
+    packaged: ClusterState, image: guest_image.DiskImage
 ) -> None:
     """Upgrade one host at a time (guests off, apt install thinvm-qemu,
     guests back), the guest verified and running all along; thinvm-qemu
@@ -252,7 +253,7 @@ def test_rolling_upgrade_of_three_hosts_then_purge(
 
 
 def test_operator_xml_guest_on_upgraded_hosts(
-    packaged: ClusterState, image: guest.DiskImage
+    packaged: ClusterState, image: guest_image.DiskImage
 ) -> None:
     """A Debian guest defined from plain domain XML (libvirt's own
     attributes only) on a host that installed thinvm-qemu with apt: free

@@ -260,7 +260,7 @@ def test_a_disk_guest_makes_its_overlay_in_its_run_directory(
 ) -> None:
     made: list[tuple[Path, Path]] = []
     monkeypatch.setattr(
-        "thinvm.fleet.guest.create_overlay", lambda base, disk: made.append((base, disk))
+        "thinvm.vm.machine.create_overlay", lambda base, disk: made.append((base, disk))
     )
     vm = VM(VMConfig(image="disk"), rundir=tmp_path)
     assert vm._root_disk(Path("/base.qcow2")) == tmp_path / "disk.qcow2"
@@ -301,7 +301,7 @@ def test_a_stock_disk_guest_loads_the_in_tree_driver_once(
 ) -> None:
     swapped: list[str] = []
     monkeypatch.setattr(
-        "thinvm.fleet.guest.guest_info", lambda agent: {"balloon_driver": "virtio_balloon"}
+        "thinvm.vm.machine.guest_info", lambda agent: {"balloon_driver": "virtio_balloon"}
     )
 
     def booted(config: VMConfig, incoming: bool = False) -> VM:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet import cluster, emulator, migrate
 from thinvm.fleet.domain import (
     BALLOON_ALIAS,
     QEMU_NS,
@@ -18,6 +18,7 @@ from thinvm.fleet.domain import (
     DomainSpec,
     domain_xml,
 )
+from thinvm.guest import image as guest_image
 from thinvm.units import MiB
 
 Q = f"{{{QEMU_NS}}}"
@@ -230,7 +231,7 @@ def test_images_are_installed_world_readable_and_copied_only_when_changed(
 ) -> None:
     built = built_image(tmp_path / "cache" / "6.1-abc")
     images = tmp_path / "images"
-    image = guest.install_image(built, images)
+    image = guest_image.install_image(built, images)
     assert image.directory == images / "6.1-abc"
     assert (image.kernel, image.kernel_version, image.cmdline) == (
         "6.1",
@@ -242,10 +243,10 @@ def test_images_are_installed_world_readable_and_copied_only_when_changed(
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
     assert stat.S_IMODE(image.directory.stat().st_mode) == 0o755
     before = {p.name: p.stat().st_ino for p in image.directory.iterdir()}
-    guest.install_image(built, images)  # unchanged: nothing copied
+    guest_image.install_image(built, images)  # unchanged: nothing copied
     assert {p.name: p.stat().st_ino for p in image.directory.iterdir()} == before
     (built / "initrd.img").write_bytes(b"a new initramfs")
-    guest.install_image(built, images)
+    guest_image.install_image(built, images)
     assert image.initrd.read_bytes() == b"a new initramfs"
     assert image.initrd.stat().st_ino != before["initrd.img"]
     assert image.disk.stat().st_ino == before["disk.qcow2"]
@@ -256,10 +257,10 @@ def test_an_incomplete_image_is_a_clear_error(tmp_path: Path) -> None:
     built = built_image(tmp_path / "6.12-abc")
     (built / "vmlinuz").unlink()
     with pytest.raises(ThinvmError, match="vmlinuz missing"):
-        guest.install_image(built, tmp_path / "images")
+        guest_image.install_image(built, tmp_path / "images")
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ThinvmError, match="cannot install the guest image in"):
-        guest.install_image(built_image(tmp_path / "6.1-abc"), tmp_path / "a-file" / "images")
+        guest_image.install_image(built_image(tmp_path / "6.1-abc"), tmp_path / "a-file" / "images")
 
 
 @pytest.mark.skipif(shutil.which("virsh") is None, reason="needs virsh (libvirt-clients)")

@@ -9,6 +9,7 @@ from typing import Any
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import domain_xml
+from thinvm.guest import image as guest_image
 from thinvm.guest.agent import shell_line
 from thinvm.units import parse_size
 
@@ -58,7 +59,7 @@ def _guest_spec(args: argparse.Namespace) -> guest.GuestSpec:
 
 def cmd_xml(args: argparse.Namespace) -> int:
     """Print the domain XML of a thinvm guest (the documented example)."""
-    image = guest.ensure_disk_image(args.kernel)
+    image = guest_image.ensure_disk_image(args.kernel)
     shared = cluster.shared_dir(cluster.cluster_dir())
     print(domain_xml(guest.spec_for(_guest_spec(args), image, shared)), end="")
     return 0
@@ -67,7 +68,7 @@ def cmd_xml(args: argparse.Namespace) -> int:
 def cmd_start(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     host = state.host(args.host)
-    image = guest.ensure_disk_image(args.kernel)
+    image = guest_image.ensure_disk_image(args.kernel)
     # A package-installed host: thinvm-qemu where installed, else Debian's.
     binary = emulator.packaged_emulator(host.uri) if host.packaged else None
     shared = cluster.shared_dir(cluster.cluster_dir())
@@ -81,7 +82,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     seconds = guest.wait_booted(host, args.name)
     client = guest.agent(host, args.name)
     try:
-        info = guest.guest_info(client)
+        info = guest_image.guest_info(client)
     finally:
         client.close()
     data = {"name": args.name, "host": host.name, "boot_seconds": round(seconds, 1), **info}

@@ -1,10 +1,16 @@
-"""Guest images: a Debian kernel plus a busybox initramfs with our agent.
+"""Guest images: a Debian kernel plus a busybox initramfs with our agent,
+and the Debian disk image with our packages.
 
-guest/image/build.sh does the work and caches by its inputs, so asking
-for an image that already exists costs a hash check.
+guest/image/build.sh and build-disk.sh do the work and cache by their
+inputs, so asking for an image that already exists costs a hash check.
+Both thinvm.vm (single VMs) and thinvm.fleet (libvirt domains) boot them,
+so they live here, below both.
 """
 
 import json
+import os
+import re
+import shutil
 import subprocess
 from dataclasses import dataclass
 from functools import cache
@@ -12,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.errors import ThinvmError
+from thinvm.guest.agent import AgentClient
 from thinvm.paths import REPO
 
 KERNELS = ("6.1", "6.12")
@@ -75,3 +82,102 @@ def ensure_image(kernel: str = "6.1", driver: str = "stock") -> GuestImage:
     outdir = Path(_last_line(cmd, f"building the {kernel} guest image"))
     meta = json.loads((outdir / "image.json").read_text())
     return GuestImage(outdir / "vmlinuz", outdir / "initramfs.cpio.gz", meta)
+
+
+# The Debian disk image (guest/image/build-disk.sh), installed where a
+# system libvirtd's QEMU (libvirt-qemu) may read it.
+IMAGES_DIR = Path("/var/lib/thinvm/images")
+IMAGE_FILES = ("disk.qcow2", "vmlinuz", "initrd.img", "image.json")
+
+
+@dataclass(frozen=True)
+class DiskImage:
+    directory: Path
+    kernel: str
+    kernel_version: str
+    cmdline: str
+
+    @property
+    def disk(self) -> Path:
+        return self.directory / "disk.qcow2"
+
+    @property
+    def vmlinuz(self) -> Path:
+        return self.directory / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.directory / "initrd.img"
+
+
+def ensure_disk_image(kernel: str = "6.1", images: Path = IMAGES_DIR) -> DiskImage:
+    """The Debian disk image for `kernel`, built if missing or stale, and
+    installed in `images` (install_image)."""
+    if kernel not in ("6.1", "6.12"):
+        raise ThinvmError(f"--kernel {kernel}: want 6.1 or 6.12")
+    proc = subprocess.run(
+        [str(REPO / "guest" / "image" / "build-disk.sh"), "--kernel", kernel],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ThinvmError(f"building the {kernel} disk image failed (see the messages above)")
+    return install_image(Path(lines[-1]), images)
+
+
+def install_image(built: Path, images: Path = IMAGES_DIR) -> DiskImage:
+    """Copy a built image directory (build-disk.sh's output) to
+    `images`/<its name>, which names the kernel and the hash of the
+    image's inputs: root-owned, directories 0755 and files 0644, so QEMU
+    reads them as libvirt-qemu too.  A file is copied only when its size
+    or modification time differ from the copy's (copies keep the
+    original's), and replaced atomically: a running guest keeps the file
+    it opened."""
+    try:
+        return _install_image(built, images / built.name)
+    except PermissionError as exc:
+        raise ThinvmError(
+            f"cannot install the guest image in {images}: {exc} (run as root)"
+        ) from exc
+    except OSError as exc:
+        raise ThinvmError(f"cannot install the guest image in {images}: {exc}") from exc
+
+
+def _install_image(built: Path, dest: Path) -> DiskImage:
+    dest.mkdir(parents=True, exist_ok=True)
+    for d in (dest.parent, dest):
+        d.chmod(0o755)
+    for name in IMAGE_FILES:
+        src, dst = built / name, dest / name
+        if not src.is_file():
+            raise ThinvmError(f"{src} missing: rebuild with guest/image/build-disk.sh")
+        have = dst.stat() if dst.is_file() else None
+        want = src.stat()
+        if have and (have.st_size, have.st_mtime_ns) == (want.st_size, want.st_mtime_ns):
+            continue
+        tmp = dest / f".{name}.tmp"
+        shutil.copyfile(src, tmp)
+        tmp.chmod(0o644)
+        os.utime(tmp, ns=(want.st_atime_ns, want.st_mtime_ns))
+        tmp.replace(dst)
+    meta = json.loads((dest / "image.json").read_text())
+    return DiskImage(dest, str(meta["kernel"]), str(meta["kernel_version"]), str(meta["cmdline"]))
+
+
+def create_overlay(base: Path, overlay: Path) -> None:
+    overlay.unlink(missing_ok=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(base), str(overlay)],
+        check=True,
+    )
+
+
+_INFO_RE = re.compile(r"(\w+)=(\S+)")
+
+
+def guest_info(client: AgentClient) -> dict[str, str]:
+    """thinvm-guest-info from inside the guest: kernel, balloon driver."""
+    out = client.check("/usr/local/sbin/thinvm-guest-info").stdout
+    return dict(_INFO_RE.findall(out))

@@ -25,7 +25,13 @@ from typing import Any
 
 from thinvm.errors import ThinvmError
 from thinvm.guest.agent import AgentClient
-from thinvm.guest.image import GuestImage, ensure_image
+from thinvm.guest.image import (
+    GuestImage,
+    create_overlay,
+    ensure_disk_image,
+    ensure_image,
+    guest_info,
+)
 from thinvm.host.locks import FileLock
 from thinvm.host.memory import HostMemory, host_meminfo, process_memory
 from thinvm.paths import cache_dir
@@ -191,9 +197,6 @@ def check_memory_fits(config: VMConfig, pooled: bool = False) -> None:
 def disk_image(kernel: str) -> tuple[GuestImage, Path]:
     """The Debian disk image's kernel and initrd, and its base disk, where
     guest/image/build-disk.sh caches them (built if missing or stale)."""
-    # Imported here: thinvm.fleet builds on this module.
-    from thinvm.fleet.guest import ensure_disk_image
-
     # "Installed" in its own cache directory: nothing is copied.
     image = ensure_disk_image(kernel, cache_dir() / "disk")
     meta = {"kernel_version": image.kernel_version, "cmdline": image.cmdline}
@@ -474,8 +477,6 @@ class VM:
                 "the destination of a disk guest's migration opens its source's disk: "
                 "start it with the source's incoming_config()"
             )
-        from thinvm.fleet.guest import create_overlay  # see disk_image
-
         disk = self.rundir / DISK_FILE
         create_overlay(base, disk)
         return disk
@@ -600,8 +601,6 @@ class VM:
             # Booted without a balloon driver (NO_THINVM_DRIVER); the package
             # blacklists the in-tree one for modprobe, so it goes in by file.
             # A migration's destination gets the guest with its driver.
-            from thinvm.fleet.guest import guest_info  # see disk_image
-
             self.agent.check(INTREE_DRIVER)
             driver = guest_info(self.agent).get("balloon_driver")
             if driver != "virtio_balloon":

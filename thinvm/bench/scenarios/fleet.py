@@ -41,6 +41,7 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import DomainSpec
+from thinvm.guest import image as guest_image
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
@@ -134,7 +135,7 @@ class FleetRun:
             hint=self.stack.hint,
         )  # fmt: skip
 
-    def domain(self, image: guest.DiskImage, size: int, shared: Path) -> DomainSpec:
+    def domain(self, image: guest_image.DiskImage, size: int, shared: Path) -> DomainSpec:
         """The domain: packaged hosts name their own QEMU, and reporting
         follows the stack (spec_for turns it on for everyone)."""
         binary = PACKAGED_BINARY[self.stack.build] if self.kind.packaged else None
@@ -232,7 +233,7 @@ def _run_one(
     def run(ctx: RunContext) -> Metrics:
         state = _clusters.get(plan.cluster)
         src, dst = (state.host(n) for n in plan.route)
-        image = guest.ensure_disk_image(opts.kernel)
+        image = guest_image.ensure_disk_image(opts.kernel)
         shared = cluster.shared_dir(Path(src.root).parent.parent)
         guest.define(src, plan.domain(image, size, shared), image)
         try:
@@ -256,7 +257,7 @@ def _prepare_guest(ctx: RunContext, src: Host, used: int, plan: FleetRun) -> Non
     try:
         if plan.stack.driver == "stock":
             guest.use_intree_driver(client)
-        ctx.note("guest", guest.guest_info(client))
+        ctx.note("guest", guest_image.guest_info(client))
         ctx.step(f"guest writes a {format_size(used)} pattern, touches and frees the rest")
         client.check(f"thinvm-mem pattern write {PATTERN} {used // MiB} --seed {SEED}")
         free_kib = int(client.check("awk '/MemFree/ {print $2}' /proc/meminfo").stdout)
