@@ -373,3 +373,17 @@ def test_destination_emulator_leaves_unknown_emulators_alone(
     assert migrate.destination_emulator(_live_xml(False), dst) == THINVM_QEMU
     assert migrate.destination_emulator(_live_xml(False).replace(STOCK_QEMU, THINVM_QEMU),
                                         dst) is None  # fmt: skip
+
+
+def test_multifd_args_compress_only_over_channels() -> None:
+    assert migrate.multifd_args(0, None) == []
+    assert migrate.multifd_args(2, None) == ["--parallel", "--parallel-connections", "2"]
+    assert migrate.multifd_args(2, "zstd") == [
+        "--parallel", "--parallel-connections", "2", "--compressed", "--comp-methods", "zstd",
+    ]  # fmt: skip
+    with pytest.raises(ThinvmError, match="needs --parallel"):
+        migrate.multifd_args(0, "zstd")
+    with pytest.raises(ThinvmError, match="want one of zstd"):
+        migrate.multifd_args(2, "zlib")
+    with pytest.raises(ThinvmError, match="want 0"):
+        migrate.multifd_args(-1, None)

@@ -123,6 +123,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     source = guest.find_guest(state, args.name)
     dest = state.host(args.to)
+    migrate.multifd_args(args.parallel, args.compress)  # bad flags fail before the trim
     trimmed = None
     if args.trim:
         trimmed = guest.trim(source, args.name)
@@ -131,7 +132,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         else:
             print(f"thinvm: {args.name}: not trimmed, migrating anyway: {trimmed.note}",
                   file=sys.stderr)  # fmt: skip
-    result = migrate.migrate(source, dest, args.name, parallel=args.parallel)
+    result = migrate.migrate(
+        source, dest, args.name, parallel=args.parallel, compress=args.compress
+    )
     data = result.summary()
     data["balloon"] = migrate.balloon_counters(dest, args.name)
     if trimmed is not None:
@@ -308,6 +311,11 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("name")
     p.add_argument("--to", required=True, help="destination host, e.g. h2")
     p.add_argument("--parallel", type=int, default=0, help="multifd connections (0: off)")
+    p.add_argument(
+        "--compress",
+        choices=migrate.COMPRESS_METHODS,
+        help="compress the multifd channels (needs --parallel); pays on slow links only",
+    )
     p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_migrate)

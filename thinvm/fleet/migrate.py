@@ -350,18 +350,18 @@ def migrate(
     parallel: int = 0,
     extra: tuple[str, ...] = (),
     timeout: float = 600.0,
+    compress: str | None = None,
 ) -> MigrationResult:
     """Live-migrate `name` from `source` to `destination`, peer-to-peer;
     the definition moves with it.  On failure libvirt leaves the guest
-    running on the source; the error says so."""
+    running on the source; the error says so.  `compress`: "zstd" has
+    the multifd channels compress the pages they send (needs `parallel`)."""
     if source.name == destination.name:
         raise ThinvmError(f"{name} is already on {source.name}")
     args = ["migrate", "--live", "--p2p", "--persistent", "--undefinesource"]
     if destination.tls:
         args.append("--tls")
-    if parallel:
-        # multifd; its zero-page detection is QEMU's default.
-        args += ["--parallel", "--parallel-connections", str(parallel)]
+    args += multifd_args(parallel, compress)
     # One read of the live XML answers both questions and is the
     # destination XML when the emulator changes: the migratable form keeps
     # <metadata> (portable) and <emulator>, and is what libvirt sends.
@@ -390,6 +390,32 @@ def migrate(
         seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps,
         new_emulator,
     )  # fmt: skip
+
+
+COMPRESS_METHODS = ("zstd",)
+
+
+def multifd_args(parallel: int, compress: str | None) -> list[str]:
+    """virsh migrate's multifd flags.  Compression is a multifd feature in
+    QEMU 10.0 (the legacy `compress` capability is gone), so it needs
+    channels; zstd is the method both Debian's QEMU and thinvm-qemu have.
+    It pays on slow links and costs source CPU on fast ones
+    (docs/benchmarks.md, migrate-compress): off unless asked for."""
+    if parallel < 0:
+        raise ThinvmError(f"--parallel {parallel}: want 0 (off) or a number of connections")
+    if compress is not None and compress not in COMPRESS_METHODS:
+        raise ThinvmError(f"--compress {compress}: want one of {', '.join(COMPRESS_METHODS)}")
+    if compress and not parallel:
+        raise ThinvmError(
+            f"--compress {compress} needs --parallel N: QEMU compresses only multifd channels"
+        )
+    if not parallel:
+        return []
+    # multifd; its zero-page detection is QEMU's default.
+    args = ["--parallel", "--parallel-connections", str(parallel)]
+    if compress:
+        args += ["--compressed", "--comp-methods", compress]
+    return args
 
 
 def _explain_failure(message: str, source: Host, destination: Host, name: str) -> str:
