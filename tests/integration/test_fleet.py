@@ -261,8 +261,12 @@ def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
         back = migrate.migrate(h3, h1, name, parallel=2, compress="zstd")
         assert guest.domstate(h1, name) == "running" and guest.domstate(h3, name) == "absent"
         verify_pattern(h1, name, 21)
-        params = migrate.qmp(h1, name, "query-migrate-parameters")
-        assert params["multifd-compression"] == "zstd", params
+        # The channels carried compressed pages: fewer bytes than the pages
+        # they sent (uncompressed, headers make it more).  libvirt resets
+        # the parameters after the job, so the bytes are the evidence.
+        ram = back.ram
+        assert ram.get("normal-bytes", 0) > 0, ram
+        assert ram["transferred"] < 0.9 * ram["normal-bytes"], ram
         assert "sparse-ram" not in back.capabilities, back.capabilities  # stock: no skipping
         assert back.ram.get("sparse-skipped") is None, back.ram
     finally:

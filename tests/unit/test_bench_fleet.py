@@ -12,10 +12,11 @@ from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, C
 from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.fleet import cluster, emulator, guest
 from thinvm.fleet.domain import AGENT_PORT
+from thinvm.guest import image as guest_image
 from thinvm.units import MiB
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
-IMAGE = guest.DiskImage(Path("/img"), "6.1", "6.1.0-test", "root=/dev/vda rw")
+IMAGE = guest_image.DiskImage(Path("/img"), "6.1", "6.1.0-test", "root=/dev/vda rw")
 SHARED = Path("/shared")
 SIZE = 1024 * MiB
 

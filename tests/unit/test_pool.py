@@ -12,7 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -428,6 +428,51 @@ def test_released_slot_is_scrubbed_before_it_is_free_again(small_pool: Path) -> 
     assert worker.step().kind == "fill"
     assert pool.is_zero(lease.path) and pattern_pages(lease.path, 3) == 0
     assert pool.Pool(small_pool).read().slots[lease.index].state == "free"
+
+
+def _shrink_with_hugepages_managed(
+    root: Path, monkeypatch: pytest.MonkeyPatch, give_back: Callable[[PoolConfig], None]
+) -> pool.Action:
+    """One worker step that shrinks a slot (the budget cut to two slots)
+    of a pool that manages huge pages, `give_back` standing in for the
+    vm.nr_hugepages write."""
+    with pool.Pool(root).locked() as state:
+        state.config.manage_hugepages = True
+        state.config.policy.budget = 8 * MiB
+    worker = pool.Worker(pool.Pool(root), threading.Event())
+    monkeypatch.setattr(worker, "_give_back_hugepages", give_back)
+    return worker.step()
+
+
+def _not_free(root: Path) -> list[Slot]:
+    return [s for s in pool.Pool(root).read().slots if s.state != "free"]
+
+
+def test_shrink_gives_huge_pages_back_before_the_slot_shows_empty(
+    small_pool: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Slot] = []
+    action = _shrink_with_hugepages_managed(
+        small_pool, monkeypatch, lambda cfg: seen.extend(_not_free(small_pool))
+    )
+    assert action.kind == "shrink", action
+    # While the kernel's pool shrinks, the slot is still the worker's...
+    assert [(s.index, s.state) for s in seen] == [(action.index, "scrubbing")]
+    assert seen[0].owner is not None
+    # ...and only then shows as empty.
+    (slot,) = _not_free(small_pool)
+    assert (slot.index, slot.state, slot.owner, slot.error) == (action.index, "empty", None, "")
+
+
+def test_a_failed_huge_page_give_back_leaves_no_slot_owned(
+    small_pool: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def give_back(cfg: PoolConfig) -> None:
+        raise pool.PoolError("vm.nr_hugepages: permission denied")
+
+    with pytest.raises(pool.PoolError):
+        _shrink_with_hugepages_managed(small_pool, monkeypatch, give_back)
+    assert [(s.state, s.owner) for s in _not_free(small_pool)] == [("empty", None)]
 
 
 def test_scrub_refuses_a_file_someone_still_has_open(small_pool: Path) -> None:

@@ -123,7 +123,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     source = guest.find_guest(state, args.name)
     dest = state.host(args.to)
-    migrate.multifd_args(args.parallel, args.compress)  # bad flags fail before the trim
+    # Bad requests fail before the trim changes the guest.
+    migrate.check_route(source, dest, args.name)
+    migrate.check_multifd(args.parallel, args.compress)
     trimmed = None
     if args.trim:
         trimmed = guest.trim(source, args.name)

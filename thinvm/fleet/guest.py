@@ -1,12 +1,10 @@
-"""Debian guests on cluster hosts: the disk image, domains, the agent.
+"""Debian guests on cluster hosts: domains, the agent, trims.
 
-The image built by guest/image/build-disk.sh (kernel, initrd, base disk)
-is cached under ~/.cache/thinvm, which a system libvirtd's QEMU user
-(libvirt-qemu) cannot read; it is installed in /var/lib/thinvm/images
-(root-owned, world-readable, like Debian's /var/lib/libvirt/images), and
-domains name it there.  A guest's disk is a qcow2 overlay in the
-cluster's shared directory, on top of the installed image: every host
-sees the same path, so live migration needs no storage copy.
+The disk image comes from thinvm.guest.image (installed in
+/var/lib/thinvm/images, where a system libvirtd's QEMU user reads it).
+A guest's disk is a qcow2 overlay in the cluster's shared directory, on
+top of the installed image: every host sees the same path, so live
+migration needs no storage copy.
 """
 
 import time
@@ -25,7 +23,6 @@ from thinvm.host.memory import process_memory
 from thinvm.units import MiB
 
 BOOT_TIMEOUT = 180.0
-# Where QEMU, whichever user it runs as, reads the guest images.
 
 
 @dataclass(frozen=True)

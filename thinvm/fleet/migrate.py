@@ -356,8 +356,7 @@ def migrate(
     the definition moves with it.  On failure libvirt leaves the guest
     running on the source; the error says so.  `compress`: "zstd" has
     the multifd channels compress the pages they send (needs `parallel`)."""
-    if source.name == destination.name:
-        raise ThinvmError(f"{name} is already on {source.name}")
+    check_route(source, destination, name)
     args = ["migrate", "--live", "--p2p", "--persistent", "--undefinesource"]
     if destination.tls:
         args.append("--tls")
@@ -395,12 +394,17 @@ def migrate(
 COMPRESS_METHODS = ("zstd",)
 
 
-def multifd_args(parallel: int, compress: str | None) -> list[str]:
-    """virsh migrate's multifd flags.  Compression is a multifd feature in
-    QEMU 10.0 (the legacy `compress` capability is gone), so it needs
-    channels; zstd is the method both Debian's QEMU and thinvm-qemu have.
-    It pays on slow links and costs source CPU on fast ones
-    (docs/benchmarks.md, migrate-compress): off unless asked for."""
+def check_route(source: Host, destination: Host, name: str) -> None:
+    if source.name == destination.name:
+        raise ThinvmError(f"{name} is already on {source.name}")
+
+
+def check_multifd(parallel: int, compress: str | None) -> None:
+    """Refuse multifd options virsh would refuse, before anything runs.
+    Compression is a multifd feature in QEMU 10.0 (the legacy `compress`
+    capability is gone), so it needs channels.  zstd is the method we
+    measured (migrate-compress: it pays on slow links and costs source
+    CPU on fast ones, so it is off unless asked for); zlib lost there."""
     if parallel < 0:
         raise ThinvmError(f"--parallel {parallel}: want 0 (off) or a number of connections")
     if compress is not None and compress not in COMPRESS_METHODS:
@@ -409,6 +413,11 @@ def multifd_args(parallel: int, compress: str | None) -> list[str]:
         raise ThinvmError(
             f"--compress {compress} needs --parallel N: QEMU compresses only multifd channels"
         )
+
+
+def multifd_args(parallel: int, compress: str | None) -> list[str]:
+    """virsh migrate's multifd flags (check_multifd's rules)."""
+    check_multifd(parallel, compress)
     if not parallel:
         return []
     # multifd; its zero-page detection is QEMU's default.

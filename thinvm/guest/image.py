@@ -113,8 +113,8 @@ class DiskImage:
 def ensure_disk_image(kernel: str = "6.1", images: Path = IMAGES_DIR) -> DiskImage:
     """The Debian disk image for `kernel`, built if missing or stale, and
     installed in `images` (install_image)."""
-    if kernel not in ("6.1", "6.12"):
-        raise ThinvmError(f"--kernel {kernel}: want 6.1 or 6.12")
+    if kernel not in KERNELS:
+        raise ThinvmError(f"--kernel {kernel}: want {' or '.join(KERNELS)}")
     proc = subprocess.run(
         [str(REPO / "guest" / "image" / "build-disk.sh"), "--kernel", kernel],
         stdout=subprocess.PIPE,

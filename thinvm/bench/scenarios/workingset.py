@@ -73,10 +73,11 @@ class Plan:
     hot: int  # the first `hot` bytes of it, read again and again
     anon: int  # a pattern the guest holds (tmpfs) and the destination verifies
     # How often the hot subset is read again.  MGLRU (Debian's 6.12)
-    # protects page cache read through read() only once a page was read
-    # five times (PG_referenced, PG_workingset, then its tier counter
-    # saturates); measured: after 4 reads a trim takes all of it, after 5
-    # none.  The classic LRU (6.1) activates a page on its second read.
+    # spares page cache read through read() from the first reclaim pass
+    # over its generation only once a page was read five times
+    # (PG_referenced, PG_workingset, then its tier counter is full);
+    # measured: after 4 reads a trim takes all of it, after 5 none.  The
+    # classic LRU (6.1) activates a page on its second read.
     passes: int
     idle: float  # seconds the guest idles before the migration
 
