@@ -14,12 +14,12 @@
 set -uo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
-build=$cache/qemu/patched-build
+build=$cache/qemu/patched-src/build
 venv=${THINVM_VENV:-$cache/venv}
 tsan=0 match=
 while [ $# -gt 0 ]; do
 	case $1 in
-	--tsan) tsan=1 build=$cache/qemu/tsan-build ;;
+	--tsan) tsan=1 build=$cache/qemu/patched-src/build-tsan ;;
 	--match) match=$2; shift ;;
 	*) echo "usage: $0 [--tsan] [--match REGEX]" >&2; exit 2 ;;
 	esac
@@ -42,6 +42,9 @@ tests=(
 	"qos-test:$qos/ranges/private-file"
 	"qos-test:$qos/ranges/numa-granule"
 	"qos-test:$qos/ranges/discard-failure"
+	"virtio-balloon-test:/x86_64/virtio-balloon/thinvm-machine/defaults"
+	"virtio-balloon-test:/x86_64/virtio-balloon/thinvm-machine/q35-unchanged"
+	"virtio-balloon-test:/x86_64/virtio-balloon/thinvm-machine/opt-out"
 	"migration-test:$mig/precopy/unix"
 	"migration-test:$mig/precopy/pagemap-read"
 	"migration-test:$mig/multifd/tcp"
@@ -96,7 +99,7 @@ if [ -n "$match" ]; then
 	tests=("${selected[@]}")
 fi
 
-for bin in $([ $tsan = 1 ] || echo qos-test) migration-test; do
+for bin in $([ $tsan = 1 ] || echo qos-test virtio-balloon-test) migration-test; do
 	[ -x "$build/tests/qtest/$bin" ] || {
 		echo "no $bin in $build: run qemu/build.sh patched" >&2
 		exit 2
