@@ -84,6 +84,21 @@ touched_by() {
 	sed -n -e 's|^--- a/||p' -e 's|^+++ b/||p' "$@" | sed 's/[[:space:]].*//' | sort -u
 }
 
+# The stock tree is a copy of the pristine one, so that each flavour builds
+# in a build/ directory inside its own tree: the compiler then sees the
+# same relative paths (../hw/..., -I../include) in both builds, and with
+# CCACHE_NOHASHDIR every file the series does not touch is compiled once
+# for both (a build directory beside the tree named the tree in every
+# path, and the second build missed the cache for all ~1800 files).
+stock_tree() {
+	local tree=$1
+	[ "$(cat "$tree/.thinvm-copy-of" 2>/dev/null)" = "$pristine" ] && return
+	log "creating the stock source tree"
+	rm -rf "$tree"
+	cp -a "$pristine" "$tree"
+	printf '%s\n' "$pristine" >"$tree/.thinvm-copy-of"
+}
+
 # The patched tree is the pristine tree plus the series.  Only files that
 # the previous or the current series touches can differ from pristine, so
 # only those are rebuilt, in a small stage, and copied over when their
@@ -92,7 +107,8 @@ prepare_tree() {
 	local flavour=$1 tree=$cache/qemu/$1-src
 	[ "$flavour" = tsan ] && flavour=patched tree=$cache/qemu/patched-src
 	if [ "$flavour" = stock ]; then
-		echo "$pristine"
+		stock_tree "$tree"
+		echo "$tree"
 		return
 	fi
 	local want stamp=$tree/.thinvm-series
@@ -142,7 +158,10 @@ prepare_tree() {
 # ninja then rebuilds what the new configuration changed, mostly from
 # ccache), so a warm cache picks up a change to the list below.
 configure_build() {
-	local flavour=$1 tree=$2 build=$cache/qemu/$1-build
+	local flavour=$1 tree=$2 build=$2/build
+	[ "$flavour" = tsan ] && build=$tree/build-tsan
+	# Build directories of the layout before stock_tree() above.
+	rm -rf "$cache/qemu/$flavour-build"
 	# configure pins the compiler, which defeats meson's own ccache
 	# detection: name ccache explicitly so the second flavour and any
 	# rebuild from scratch hit the cache.
@@ -216,7 +235,7 @@ build_one() {
 	build=$(configure_build "$flavour" "$tree")
 	# The patched build also carries our qtests (qemu/run-qtests.sh).
 	case $flavour in
-	patched) targets="$targets tests/qtest/qos-test tests/qtest/migration-test" ;;
+	patched) targets="$targets tests/qtest/qos-test tests/qtest/virtio-balloon-test tests/qtest/migration-test" ;;
 	tsan) targets="$targets tests/qtest/migration-test" ;;
 	esac
 	log "building $flavour ($(nproc) jobs)"
