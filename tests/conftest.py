@@ -3,10 +3,12 @@
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from thinvm.fleet.cluster import Host, virsh
 from thinvm.vm.machine import VM, VMConfig
 
 
@@ -85,3 +87,18 @@ def make_vm() -> Iterator[VMFactory]:
     yield factory
     for vm in vms:
         vm.shutdown()
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def memstat(h: Host, name: str) -> dict[str, int]:
+    """`virsh dommemstat` of a cluster guest (KiB; "actual" is the balloon's target)."""
+    out = virsh(h, "dommemstat", name)
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines() if line.strip())}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import thinvm_cli
+from tests.conftest import memstat, thinvm_cli, wait_for
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate, pki
@@ -498,20 +498,6 @@ def balloon_current(h: Host, name: str) -> int:
     size plus what is plugged), in bytes; what the controller reads."""
     (dom,) = parse_domstats(virsh(h, "domstats", "--balloon", name))
     return dom.values["balloon.current"] * KiB
-
-
-def memstat(h: Host, name: str) -> dict[str, int]:
-    out = virsh(h, "dommemstat", name)
-    return {k: int(v) for k, v in (line.split() for line in out.splitlines() if line.strip())}
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_down_after_a_crash_and_twice_leaves_nothing() -> None:

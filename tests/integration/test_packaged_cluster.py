@@ -17,16 +17,15 @@ import pwd
 import shutil
 import stat
 import subprocess
-import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import thinvm_cli
+from tests.conftest import memstat, thinvm_cli, wait_for
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
-from thinvm.fleet.domain import DomainSpec, domain_xml, is_portable
+from thinvm.fleet.domain import BALLOON_QOM_PATH, DomainSpec, is_portable
 from thinvm.guest import image as guest_image
 from thinvm.units import MiB
 
@@ -255,10 +254,13 @@ def test_rolling_upgrade_of_three_hosts_then_purge(
 def test_operator_xml_guest_on_upgraded_hosts(
     packaged: ClusterState, image: guest_image.DiskImage
 ) -> None:
-    """A Debian guest defined from plain domain XML (libvirt's own
-    attributes only) on a host that installed thinvm-qemu with apt: free
-    page reporting on, QEMU as libvirt-qemu, migrated to another upgraded
-    host with its data verified and the untouched memory skipped."""
+    """A Debian guest defined from plain domain XML on a host that
+    installed thinvm-qemu with apt, written as Nova writes it: libvirt's
+    own elements only, no freePageReporting attribute, the machine type
+    pc-q35-10.0-thinvm (Nova's hw_machine_type).  The machine type alone
+    gives it free page reporting and page ranges (setmem by ranges); QEMU
+    runs as libvirt-qemu; migrated over multifd to another upgraded host,
+    its data verified and the untouched memory skipped."""
     name = "operator"
     h1, h2 = packaged.host("h1"), packaged.host("h2")
     for h in (h1, h2):
@@ -275,26 +277,44 @@ def test_operator_xml_guest_on_upgraded_hosts(
         console_log=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.console.log",
         cmdline=image.cmdline,
         memory=MEMORY,
-        ranges=False,
+        ranges=True,
+        free_page_reporting=None,
         sparse_ram=None,
         free_page_hint=False,
     )
-    xml = domain_xml(spec)
-    assert "qemu:" not in xml, xml
-    guest.define(h1, spec, image)
+    xml = guest.define(h1, spec, image)
+    assert "qemu:" not in xml and "freePageReporting" not in xml, xml
+    assert 'machine="pc-q35-10.0-thinvm"' in xml, xml
     try:
         virsh(h1, "start", name)
         guest.wait_booted(h1, name)
         assert qemu_of(h1, name) == (THINVM, cluster.QEMU_USER)
-        balloon = ET.fromstring(virsh(h1, "dumpxml", name)).find("devices/memballoon")
-        assert balloon is not None and balloon.get("freePageReporting") == "on"
+        # libvirt passed no reporting property: the machine type's default.
         cmdline = Path(f"/proc/{guest.qemu_pid(h1, name)}/cmdline").read_bytes()
-        assert b'"free-page-reporting":true' in cmdline, cmdline
+        assert b"free-page-reporting" not in cmdline and b"x-ranges" not in cmdline, cmdline
+        balloon = {
+            prop: migrate.qmp(h1, name, "qom-get", path=BALLOON_QOM_PATH, property=prop)
+            for prop in ("free-page-reporting", "x-ranges")
+        }
+        assert balloon == {"free-page-reporting": True, "x-ranges": True}, balloon
         in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 41")
+        # setmem, as Nova's and an operator's tooling drive the balloon:
+        # our driver (thinvm-balloon-dkms in the image) uses ranges.
+        virsh(h1, "setmem", name, str(384 * MiB // 1024), "--live")
+        wait_for(lambda: memstat(h1, name)["actual"] == 384 * 1024, "the balloon at 384 MiB")
+        counters = migrate.balloon_counters(h1, name)
+        assert counters["range-requests"] >= 1 and counters["range-discards"] >= 1, counters
+        assert counters["guest-errors"] == 0, counters
         moved = migrate.migrate(h1, h2, name, parallel=2)
         verify(h2, name, 41)
         assert qemu_of(h2, name) == (THINVM, cluster.QEMU_USER)
         assert moved.ram.get("sparse-skipped", 0) * 4096 > MEMORY // 4, moved.ram
+        # The machine type moved with the guest, and with it the ranges.
+        assert memstat(h2, name)["actual"] == 384 * 1024
+        virsh(h2, "setmem", name, str(MEMORY // 1024), "--live")
+        wait_for(lambda: memstat(h2, name)["actual"] == MEMORY // 1024, "the balloon at 512 MiB")
+        assert migrate.balloon_counters(h2, name)["range-requests"] >= 1
+        verify(h2, name, 41)
     finally:
         remove(packaged, name)
 

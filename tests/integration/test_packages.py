@@ -277,6 +277,8 @@ daemon=$!
 trap 'kill $daemon; wait $daemon || true' EXIT
 for i in $(seq 1 60); do [ -S /run/libvirt/libvirt-sock ] && break; sleep 0.5; done
 virsh -c qemu:///system domcapabilities --emulatorbin "$2" --virttype qemu --machine q35
+virsh -c qemu:///system domcapabilities --emulatorbin "$2" --virttype qemu \
+    --machine pc-q35-10.0-thinvm
 """
 
 
@@ -286,7 +288,8 @@ virsh -c qemu:///system domcapabilities --emulatorbin "$2" --virttype qemu --mac
 def test_libvirt_takes_the_packaged_qemu_as_an_emulator(apt_repo: Path) -> None:
     """This machine's libvirt (a private libvirtd in its own mount
     namespace, state on tmpfs) probes the binary of the .deb as
-    `<emulator>`: `virsh domcapabilities --emulatorbin`."""
+    `<emulator>`: `virsh domcapabilities --emulatorbin`, with q35 and
+    with thinvm's machine type."""
     deb = next(apt_repo.glob("thinvm-qemu_*.deb"))
     # Somewhere libvirt-qemu, which libvirt probes as, can reach.
     with tempfile.TemporaryDirectory(prefix="thinvm-probe-", dir="/var/tmp") as tmp:
@@ -308,6 +311,8 @@ def test_libvirt_takes_the_packaged_qemu_as_an_emulator(apt_repo: Path) -> None:
     assert proc.returncode == 0, f"{proc.stderr}\n{proc.stdout[-2000:]}"
     assert f"<path>{binary}</path>" in proc.stdout, proc.stdout[:2000]
     assert "<machine>pc-q35-10.0</machine>" in proc.stdout, proc.stdout[:2000]
+    # The machine type with page ranges on (QEMU 0026), as Nova would name it.
+    assert "<machine>pc-q35-10.0-thinvm</machine>" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_thinvm_runs_on_debians_python(installed: DebianRoot) -> None:

@@ -17,6 +17,7 @@ from thinvm.fleet.domain import (
     VIRTIO_MEM_ALIAS,
     DomainSpec,
     domain_xml,
+    has_ranges,
 )
 from thinvm.guest import image as guest_image
 from thinvm.units import MiB
@@ -51,10 +52,10 @@ def test_thinvm_domain_has_every_feature() -> None:
     args = [a.get("value") for a in root.iter(f"{Q}arg")]
     # The capability is all the command line carries: no monitor of ours.
     assert args == ["-global", "migration.sparse-ram=on"]
-    dev = root.find(f"{Q}override/{Q}device")
-    assert dev is not None and dev.get("alias") == BALLOON_ALIAS
-    props = {p.get("name"): p.get("value") for p in dev.iter(f"{Q}property")}
-    assert props == {"x-ranges": "true"}
+    # Page ranges come with the machine type (QEMU 0026): no override.
+    assert root.find("os/type").get("machine") == "pc-q35-10.0-thinvm"  # type: ignore[union-attr]
+    assert root.find(f"{Q}override") is None
+    assert has_ranges(domain_xml(spec(sparse_ram="sparse-ram")))
     assert root.find("devices/emulator").text.endswith("qemu-patched/qemu-system-x86_64")  # type: ignore[union-attr]
     assert root.find("devices/disk/driver").get("cache") == "none"  # type: ignore[union-attr]
     assert root.find("features/acpi") is not None
@@ -68,6 +69,9 @@ def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
     props = {p.get("name"): p.get("value") for p in root.iter(f"{Q}property")}
     assert props == {"free-page-hint": "true", "iothread": "iothread1"}
     assert root.findtext("iothreads") == "1"
+    # Stock QEMU's machine type: runs on any QEMU 10.0.
+    assert root.find("os/type").get("machine") == "q35"  # type: ignore[union-attr]
+    assert not has_ranges(domain_xml(spec(ranges=False, sparse_ram=None)))
 
 
 def test_virtio_mem_domain_has_the_device_a_numa_node_and_maxmemory() -> None:
@@ -373,6 +377,20 @@ def test_destination_emulator_leaves_unknown_emulators_alone(
     assert migrate.destination_emulator(_live_xml(False), dst) == THINVM_QEMU
     assert migrate.destination_emulator(_live_xml(False).replace(STOCK_QEMU, THINVM_QEMU),
                                         dst) is None  # fmt: skip
+
+
+def test_a_guest_with_page_ranges_is_not_sent_to_a_stock_qemu(tmp_path: Path) -> None:
+    (dst,) = cluster.plan_hosts(1, tmp_path, packaged=True)
+    ranged = (
+        "<domain><os><type machine='pc-q35-10.0-thinvm'>hvm</type></os>"
+        f"<devices><emulator>{THINVM_QEMU}</emulator></devices></domain>"
+    )
+    with pytest.raises(ThinvmError, match=r"machine type pc-q35-10\.0-thinvm .* portable guest"):
+        migrate.check_machine_type(ranged, STOCK_QEMU, dst, "vm1")
+    # To thinvm-qemu, or keeping the emulator: nothing to refuse.
+    migrate.check_machine_type(ranged, None, dst, "vm1")
+    plain = ranged.replace("pc-q35-10.0-thinvm", "pc-q35-10.0")
+    migrate.check_machine_type(plain, STOCK_QEMU, dst, "vm1")
 
 
 def test_multifd_args_compress_only_over_channels() -> None:

@@ -4,9 +4,13 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
 
 - free page reporting, stats period, autodeflate: libvirt's own
   `<memballoon>` attributes;
-- page ranges (and, for the stock-best baseline, free page hinting):
-  virtio-balloon-pci properties libvirt has no attribute for, set with
-  `<qemu:override>` on the balloon's alias;
+- page ranges: the machine type thinvm-qemu adds, `pc-q35-10.0-thinvm`
+  (QEMU 0026), which offers them (and reporting) by default; libvirt has
+  no attribute for them, and a machine type is what Nova and KubeVirt
+  let an operator choose;
+- free page hinting (the stock-best baseline only): a virtio-balloon-pci
+  property libvirt has no attribute for, set with `<qemu:override>` on
+  the balloon's alias;
 - sparse-ram: a migration capability libvirt does not know, set on the
   command line as `-global migration.<cap>=on`, so that both ends of a
   migration have it (the XML travels with the domain); the only use of
@@ -29,7 +33,6 @@ from pathlib import Path
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 from thinvm.vm.machine import (
-    BALLOON_RANGES_PROPERTY,
     VIRTIO_MEM_BLOCK_SIZE,
     VIRTIO_MEM_KERNEL_ARGS,
     VMConfig,
@@ -44,6 +47,10 @@ THINVM_NS = "https://thinvm.invalid/xmlns/guest/1"
 ET.register_namespace("thinvm", THINVM_NS)
 
 AGENT_PORT = "org.thinvm.agent"
+# pc-q35-10.0 with page ranges and reporting on (QEMU 0026).  Plain "q35"
+# stays pc-q35-10.0 on thinvm-qemu too, which stock hosts also run.
+THINVM_MACHINE = "pc-q35-10.0-thinvm"
+STOCK_MACHINE = "q35"
 # A user alias ("ua-" prefix) gives the balloon a stable QOM path, for
 # <qemu:override> and for reading its counters with qom-get.
 BALLOON_ALIAS = "ua-balloon"
@@ -64,7 +71,9 @@ class DomainSpec:
     cpus: int = 1
     console_log: Path | None = None
     # Balloon: reporting, stats and autodeflate are libvirt attributes.
-    free_page_reporting: bool = True
+    # Reporting None: no attribute, as Nova writes it; the machine type
+    # decides (on with page ranges, off on plain q35).
+    free_page_reporting: bool | None = True
     stats_period: int = 2
     autodeflate: bool = True
     free_page_hint: bool = False
@@ -111,33 +120,42 @@ def _on_off(flag: bool) -> str:
 
 
 def _memballoon(devices: ET.Element, spec: DomainSpec) -> None:
-    balloon = _sub(
-        devices,
-        "memballoon",
-        model="virtio",
-        autodeflate=_on_off(spec.autodeflate),
-        freePageReporting=_on_off(spec.free_page_reporting),
-    )
+    attrs = {"model": "virtio", "autodeflate": _on_off(spec.autodeflate)}
+    if spec.free_page_reporting is not None:
+        attrs["freePageReporting"] = _on_off(spec.free_page_reporting)
+    balloon = _sub(devices, "memballoon", **attrs)
     _sub(balloon, "alias", name=BALLOON_ALIAS)
     _sub(balloon, "stats", period=str(spec.stats_period))
 
 
 def _balloon_override(root: ET.Element, spec: DomainSpec) -> None:
-    props = {BALLOON_RANGES_PROPERTY: spec.ranges, "free-page-hint": spec.free_page_hint}
-    wanted = {name: value for name, value in props.items() if value}
-    if not wanted:
+    """Free page hinting, which libvirt has no attribute for (page ranges
+    come with the machine type)."""
+    if not spec.free_page_hint:
         return
     override = ET.SubElement(root, f"{{{QEMU_NS}}}override")
     device = ET.SubElement(override, f"{{{QEMU_NS}}}device", alias=BALLOON_ALIAS)
     frontend = ET.SubElement(device, f"{{{QEMU_NS}}}frontend")
-    for name in wanted:
-        ET.SubElement(frontend, f"{{{QEMU_NS}}}property", name=name, type="bool", value="true")
-    if spec.free_page_hint:
-        # QEMU wants hinting on an iothread: libvirt's <iothreads> makes
-        # "iothread1", which libvirt has no balloon attribute to name.
-        ET.SubElement(
-            frontend, f"{{{QEMU_NS}}}property", name="iothread", type="string", value="iothread1"
-        )
+    ET.SubElement(
+        frontend, f"{{{QEMU_NS}}}property", name="free-page-hint", type="bool", value="true"
+    )
+    # QEMU wants hinting on an iothread: libvirt's <iothreads> makes
+    # "iothread1", which libvirt has no balloon attribute to name.
+    ET.SubElement(
+        frontend, f"{{{QEMU_NS}}}property", name="iothread", type="string", value="iothread1"
+    )
+
+
+def machine_type(spec: DomainSpec) -> str:
+    """The machine type: thinvm's when the domain wants page ranges."""
+    return THINVM_MACHINE if spec.ranges else STOCK_MACHINE
+
+
+def has_ranges(xml: str) -> bool:
+    """Whether a domain (its live XML) runs on the machine type with page
+    ranges, which only thinvm-qemu has."""
+    el = ET.fromstring(xml).find("os/type")
+    return el is not None and el.get("machine") == THINVM_MACHINE
 
 
 def _virtio_mem(devices: ET.Element, spec: DomainSpec) -> None:
@@ -236,7 +254,7 @@ def domain_xml(spec: DomainSpec) -> str:
     if spec.free_page_hint:
         _sub(root, "iothreads", "1")
     os_ = _sub(root, "os")
-    _sub(os_, "type", "hvm", arch="x86_64", machine="q35")
+    _sub(os_, "type", "hvm", arch="x86_64", machine=machine_type(spec))
     _sub(os_, "kernel", str(spec.kernel))
     _sub(os_, "initrd", str(spec.initrd))
     _sub(os_, "cmdline", _cmdline(spec))

@@ -64,7 +64,7 @@ from typing import Any
 from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator
 from thinvm.fleet.cluster import Host, virsh
-from thinvm.fleet.domain import BALLOON_QOM_PATH, is_portable
+from thinvm.fleet.domain import BALLOON_QOM_PATH, THINVM_MACHINE, has_ranges, is_portable
 
 BALLOON_COUNTERS = ("range-requests", "range-discards", "guest-errors")
 POLL_INTERVAL = 0.02
@@ -323,6 +323,19 @@ def destination_emulator(xml: str, destination: Host) -> str | None:
     return None if want == current else want
 
 
+def check_machine_type(xml: str, new_emulator: str | None, destination: Host, name: str) -> None:
+    """Refuse, before anything runs, to move a guest on thinvm's machine
+    type (page ranges, negotiated by its driver) to a stock QEMU, which
+    lacks the machine type: libvirt would refuse it anyway, later and
+    less clearly."""
+    if new_emulator == str(emulator.PACKAGED_STOCK) and has_ranges(xml):
+        raise ThinvmError(
+            f"{name} runs on machine type {THINVM_MACHINE} (page ranges), which the stock "
+            f"QEMU of {destination.name} does not have: migrate it to a host with "
+            "thinvm-qemu, or start it as a portable guest (machine type q35)"
+        )
+
+
 def _destination_xml(source: Host, name: str, live: str, path: str, work: Path) -> list[str]:
     """`virsh migrate` arguments for a destination XML with `path` as its
     emulator: the live definition (`live`, the source's `dumpxml
@@ -368,6 +381,7 @@ def migrate(
     if is_portable(live):
         clear_sparse_ram(source, name)
     new_emulator = destination_emulator(live, destination)
+    check_machine_type(live, new_emulator, destination, name)
     with tempfile.TemporaryDirectory(prefix="thinvm-migrate-") as tmp:
         if new_emulator:
             args += _destination_xml(source, name, live, new_emulator, Path(tmp))
@@ -429,6 +443,12 @@ def multifd_args(parallel: int, compress: str | None) -> list[str]:
 
 def _explain_failure(message: str, source: Host, destination: Host, name: str) -> str:
     where = f"{name} is still running on {source.name}"
+    if THINVM_MACHINE in message:
+        return (
+            f"migration to {destination.name} refused: its QEMU does not have the "
+            f"{THINVM_MACHINE} machine type (a stock emulator?); {where}. "
+            f"libvirt said: {message}"
+        )
     if "sparse-ram" in message:
         return (
             f"migration to {destination.name} refused: its QEMU does not have the "
