@@ -61,14 +61,27 @@ def packaged(image: guest_image.DiskImage) -> Iterator[ClusterState]:
 
 
 def processes_rooted_in(path: Path) -> list[str]:
+    """Processes whose root is a host's under `path`.  A host's processes
+    see its root as / (pivot_root), so their root mount is what names it:
+    the overlay's upperdir, which lies under `path`."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and os.readlink(proc / "root").startswith(str(path)):
+            if proc.name.isdigit() and rooted_in(proc, str(path)):
                 found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()!r}")
         except OSError:
             continue
     return found
+
+
+def rooted_in(proc: Path, path: str) -> bool:
+    if os.readlink(proc / "root").startswith(path):
+        return True
+    for line in (proc / "mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == "/":
+            return path in line
+    return False
 
 
 def assert_nothing_left(root: Path) -> None:
@@ -144,10 +157,10 @@ def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> 
     lower = cluster.host_root_lower()
     for h in packaged.hosts:
         pid = packaged.pids[h.name]
-        # libvirtd as packaged, chrooted into the host's own root.
-        assert os.readlink(f"/proc/{pid}/root") == str(h.rootfs)
-        # (/proc shows the binary as this machine sees it.)
-        assert os.readlink(f"/proc/{pid}/exe") == f"{h.rootfs}/usr/sbin/libvirtd"
+        # libvirtd as packaged, the host's own root its root (pivot_root:
+        # its root mount is the host's overlay).
+        assert rooted_in(Path(f"/proc/{pid}"), f"upperdir={h.root}/upper")
+        assert os.path.samefile(f"/proc/{pid}/exe", h.rootfs / "usr/sbin/libvirtd")
         version = virsh(h, "version")
         assert "libvirt 11.3.0" in version and "QEMU 10.0.2" in version, version
         assert virsh(h, "hostname").strip() == h.hostname
@@ -256,8 +269,8 @@ def test_operator_xml_guest_on_upgraded_hosts(
 ) -> None:
     """A Debian guest defined from plain domain XML on a host that
     installed thinvm-qemu with apt, written as Nova writes it: libvirt's
-    own elements only, no freePageReporting attribute, the machine type
-    pc-q35-10.0-thinvm (Nova's hw_machine_type).  The machine type alone
+    own elements only, a pty console, no freePageReporting attribute, the
+    machine type pc-q35-10.0-thinvm (Nova's hw_machine_type).  The machine type alone
     gives it free page reporting and page ranges (setmem by ranges); QEMU
     runs as libvirt-qemu; migrated over multifd to another upgraded host,
     its data verified and the untouched memory skipped."""
@@ -272,9 +285,8 @@ def test_operator_xml_guest_on_upgraded_hosts(
         kernel=image.vmlinuz,
         initrd=image.initrd,
         disk=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.qcow2",
-        # A console file: a <serial type='pty'> fails in these hosts
-        # ("Failed to create PTY", libvirt's /dev for QEMU; docs/fleet.md).
-        console_log=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.console.log",
+        # A pty console, as Nova's domains have (console_log None).
+        console_log=None,
         cmdline=image.cmdline,
         memory=MEMORY,
         ranges=True,
@@ -289,6 +301,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
         virsh(h1, "start", name)
         guest.wait_booted(h1, name)
         assert qemu_of(h1, name) == (THINVM, cluster.QEMU_USER)
+        assert virsh(h1, "ttyconsole", name).strip().startswith("/dev/pts/")
         # libvirt passed no reporting property: the machine type's default.
         cmdline = Path(f"/proc/{guest.qemu_pid(h1, name)}/cmdline").read_bytes()
         assert b"free-page-reporting" not in cmdline and b"x-ranges" not in cmdline, cmdline
@@ -347,7 +360,8 @@ def test_packaged_configuration_adds_only_listener_tls_uuid_migration_storage(
     script = cluster.packaged_host_script(
         h, tmp_path / "shared", "/var/lib/thinvm/images", tmp_path
     )
-    assert script.rstrip().endswith(f"exec chroot {h.rootfs} /usr/sbin/libvirtd --listen")
+    assert f"cd {h.rootfs}\npivot_root . run/thinvm-old-root\n" in script
+    assert script.rstrip().endswith("exec /usr/sbin/libvirtd --listen")
 
 
 def test_the_destination_xml_changes_only_the_emulator() -> None:

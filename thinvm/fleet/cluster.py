@@ -17,8 +17,9 @@ socket, which the bind mount makes visible from outside.
 Packaged hosts (`up --packaged`) are real Debian installs instead: each
 host's root filesystem is an overlay on the cached root of
 packaging/host-root.sh (Debian 12 with libvirt 11.3 and Debian's own
-qemu-system-x86 from bookworm-backports), its packaged libvirtd and
-virtlogd run chrooted into it, with its packaged /etc/libvirt where only
+qemu-system-x86 from bookworm-backports), which is the root of the host's
+mount namespace (pivot_root) where its packaged libvirtd and virtlogd
+run, with its packaged /etc/libvirt where only
 the listener, TLS, host UUID, migration address and shared storage
 settings are added, QEMU as libvirt-qemu with dynamic ownership.  thinvm's
 packages are installed in it with apt from the local repository
@@ -299,7 +300,7 @@ _DEV_NODES = (
 
 def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> str:
     """The shell that turns a fresh mount+UTS namespace into a packaged
-    host and execs its libvirtd, chrooted into the host's root."""
+    host and execs its libvirtd, with the host's root as the namespace's."""
     r = host.rootfs
     lines = [
         "set -e",
@@ -324,10 +325,22 @@ def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> s
         f"mount -o remount,bind,ro {r}{APT_REPO_DIR}",
         "ip link set lo up",
         f"export PATH={HOST_PATH}",
+        # The host's root becomes the namespace's root (pivot_root, not
+        # chroot): libvirt builds each QEMU's private /dev from a helper
+        # that enters the QEMU's mount namespace with setns(), which puts
+        # it at that namespace's root; under chroot that was the machine's
+        # /, so the nodes (/dev/null, /dev/ptmx...) went there and QEMU's
+        # /dev stayed empty ("Failed to create PTY" for a pty console).
+        f"mkdir -p {r}/run/thinvm-old-root",
+        f"cd {r}",
+        "pivot_root . run/thinvm-old-root",
+        "cd /",
+        "umount -l /run/thinvm-old-root",
+        "rmdir /run/thinvm-old-root",
         # Debian's daemons as packaged, with their packaged configuration
         # files and pid files; virtlogd takes the guests' consoles.
-        f"chroot {r} /usr/sbin/virtlogd -d || echo 'virtlogd: not started (still running?)'",
-        f"exec chroot {r} /usr/sbin/libvirtd --listen",
+        "/usr/sbin/virtlogd -d || echo 'virtlogd: not started (still running?)'",
+        "exec /usr/sbin/libvirtd --listen",
     ]
     return "\n".join(lines) + "\n"
 
@@ -555,7 +568,7 @@ def host_run(
     state: ClusterState, name: str, argv: Sequence[str], timeout: float = 600.0
 ) -> subprocess.CompletedProcess[str]:
     """Run ARGV on a packaged host as its root would: in its network, mount
-    and UTS namespaces, chrooted into its root (nsenter into its libvirtd),
+    and UTS namespaces, in its root (nsenter into its libvirtd),
     with a clean environment.  apt installs from the local repository."""
     h = state.host(name)
     if not h.packaged:
