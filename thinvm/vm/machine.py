@@ -590,12 +590,22 @@ class VM:
             raise
         return self
 
+    def _serial_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.serial_log.read_text(errors="replace")
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
     def wait_agent(self, timeout: float | None = None) -> float:
         timeout = timeout or self.config.boot_timeout
         try:
             waited = self.agent.wait_ready(timeout)
         except ThinvmError as exc:
-            raise ThinvmError(f"{exc}; serial log: {self.serial_log}") from exc
+            # The log goes with the VM's directory: say how far it got.
+            raise ThinvmError(
+                f"{exc}; serial log: {self.serial_log}, ending:\n{self._serial_tail()}"
+            ) from exc
         cfg = self.config
         if self.disk and cfg.guest_driver == "stock" and not (self.incoming or self._intree_driver):
             # Booted without a balloon driver (NO_THINVM_DRIVER); the package
