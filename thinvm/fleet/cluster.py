@@ -51,6 +51,7 @@ from pathlib import Path
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator, pki
+from thinvm.guest import image as guest_image
 from thinvm.paths import REPO, cache_dir
 from thinvm.progress import ProgressLine
 
@@ -75,8 +76,6 @@ QEMU_GROUP = "libvirt-qemu"
 APT_REPO_DIR = "/srv/thinvm-apt"
 APT_SOURCE = f"deb [trusted=yes] file:{APT_REPO_DIR} ./\n"
 APT_LIST = "/etc/apt/sources.list.d/thinvm.list"
-# Guest images, at the same path in every host's root (thinvm.fleet.guest).
-IMAGES_DIR = "/var/lib/thinvm/images"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -515,7 +514,9 @@ def _write_packaged_host(h: Host, ca: tuple[Path, Path] | None, lower: Path) -> 
 def _start_daemon(h: Host) -> int:
     if h.packaged:
         shared = shared_dir(Path(h.root).parent.parent)
-        script = packaged_host_script(h, shared, IMAGES_DIR, cache_dir() / "apt-repo")
+        # Guest images, at the same path in every host's root.
+        images = str(guest_image.IMAGES_DIR)
+        script = packaged_host_script(h, shared, images, cache_dir() / "apt-repo")
     else:
         patched = emulator.emulator_path("patched").parent
         stock = emulator.emulator_path("stock").parent

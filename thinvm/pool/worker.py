@@ -140,7 +140,7 @@ class Worker:
             # reserved in vm.nr_hugepages.  The slot is ours ("scrubbing")
             # until _finish, and only leased slots hold pages back (_owed).
             if action.kind == "shrink" and not error and cfg.manage_hugepages:
-                self._give_back_hugepages(cfg)
+                self._try_give_back_hugepages(cfg, slot.index)
         finally:
             self._finish(slot, "dirty" if error else "empty", error)
         if error:
@@ -304,6 +304,15 @@ class Worker:
                 f"the kernel gave only {after - before} of {need} more "
                 f"{format_size(page_size)} pages (memory too fragmented or too little free)"
             )
+
+    def _try_give_back_hugepages(self, cfg: PoolConfig, index: int) -> None:
+        """A failed vm.nr_hugepages write does not stop the pool: the pages
+        stay counted in hugepages_added, so the next shrink, or the
+        daemon's exit, gives them back."""
+        try:
+            self._give_back_hugepages(cfg)
+        except HostError as exc:
+            self.log(f"slot {index}: huge pages not given back yet: {exc}")
 
     def _give_back_hugepages(self, cfg: PoolConfig) -> None:
         """Shrink the kernel's huge page pool by what a shrink freed."""
