@@ -378,10 +378,11 @@ def migrate(
     # destination XML when the emulator changes: the migratable form keeps
     # <metadata> (portable) and <emulator>, and is what libvirt sends.
     live = virsh(source, "dumpxml", "--migratable", name)
+    new_emulator = destination_emulator(live, destination)
+    # Refusals first, before anything changes on the source.
+    check_machine_type(live, new_emulator, destination, name)
     if is_portable(live):
         clear_sparse_ram(source, name)
-    new_emulator = destination_emulator(live, destination)
-    check_machine_type(live, new_emulator, destination, name)
     with tempfile.TemporaryDirectory(prefix="thinvm-migrate-") as tmp:
         if new_emulator:
             args += _destination_xml(source, name, live, new_emulator, Path(tmp))
