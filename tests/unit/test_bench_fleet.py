@@ -81,11 +81,13 @@ def _scenario() -> Scenario:
     return bench_scenarios.SCENARIOS["fleet-migrate"].build(BenchOptions())
 
 
-def test_packaged_rows_are_chosen_among_their_candidates() -> None:
+def test_both_hosts_rows_are_chosen_among_their_candidates() -> None:
     scenario = _scenario()
     assert scenario.baseline_name == "stock-best"  # the fast hosts' row, as before
     best = {b.name: b.candidates for b in scenario.best}
     assert best == {
+        "stock-best": tuple(c.name for c in STOCK_CANDIDATES),
+        "thinvm": tuple(c.name for c in THINVM_CANDIDATES),
         "pkg-stock-best": tuple(f"pkg-{c.name}" for c in STOCK_CANDIDATES),
         "pkg-thinvm": tuple(f"pkg-{c.name}" for c in THINVM_CANDIDATES),
     }
@@ -99,11 +101,30 @@ def test_packaged_rows_are_chosen_among_their_candidates() -> None:
 def test_selecting_the_fast_rows_leaves_out_the_packaged_ones() -> None:
     scenario = _scenario()
     scenario.select(["stock-best", "thinvm"])
-    assert scenario.rows == ["stock-best", "thinvm"] and not scenario.best
+    assert {b.name for b in scenario.best} == {"stock-best", "thinvm"}
+    assert len(scenario.variants) == len(STOCK_CANDIDATES) + len(THINVM_CANDIDATES)
+    assert not [v for v in scenario.variants if v.name.startswith("pkg-")]
     scenario = _scenario()
     scenario.select(["pkg-stock-best", "pkg-thinvm", "pkg-thinvm-to-stock"])
     assert len(scenario.variants) == len(STOCK_CANDIDATES) + len(THINVM_CANDIDATES) + 1
     assert all(v.name.startswith("pkg-") for v in scenario.variants)
+
+
+def test_fast_candidates_keep_their_channels_on_the_fast_hosts() -> None:
+    for candidate in STOCK_CANDIDATES + THINVM_CANDIDATES:
+        run = fleet.fast_run(candidate)
+        assert run.route == ("h1", "h2") and not run.kind.packaged
+        want = candidate.params.get("multifd-channels", fleet.CHANNELS)
+        assert run.parallel == (want if candidate.stack.multifd else 0), candidate.name
+
+
+def test_what_tls_costs_is_taken_against_the_same_configuration() -> None:
+    refs = _scenario().references
+    assert refs["stock-best-plain"] == "stock-mfd2"
+    assert refs["thinvm-plain"] == "thinvm-no-hint"
+    by_name = {c.name: c for c in STOCK_CANDIDATES + THINVM_CANDIDATES}
+    assert fleet.FleetRun(STOCK_BEST) == fleet.fast_run(by_name["stock-mfd2"])
+    assert fleet.FleetRun(THINVM) == fleet.fast_run(by_name["thinvm-no-hint"])
 
 
 @pytest.mark.parametrize("name", sorted(fleet.CLUSTERS))
