@@ -389,6 +389,9 @@ def test_purge_leaves_no_file_of_ours(installed: DebianRoot) -> None:
     # link): purge removes them too.
     (root / "var/lib/thinvm/balance").mkdir(parents=True, exist_ok=True)
     (root / "var/lib/thinvm/balance/state.json").touch()
+    # Guest images an operator installed next to it are not the package's.
+    (root / "var/lib/thinvm/images").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/thinvm/images/guest.qcow2").write_bytes(b"not ours to remove")
     wants = root / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     (wants / "thinvm-balance.service").symlink_to("/lib/systemd/system/thinvm-balance.service")
@@ -416,7 +419,11 @@ def test_purge_leaves_no_file_of_ours(installed: DebianRoot) -> None:
         "*thinvm*",
         "-print",
     ).stdout.split()
-    assert left == ["/etc/apt/sources.list.d/thinvm.list"], left
+    assert sorted(left) == [
+        "/etc/apt/sources.list.d/thinvm.list", "/var/lib/thinvm"], left  # fmt: skip
+    assert os.listdir(root / "var/lib/thinvm") == ["images"]
+    assert (root / "var/lib/thinvm/images/guest.qcow2").read_bytes() == b"not ours to remove"
+    shutil.rmtree(root / "var/lib/thinvm")
     # Nor a process: nothing runs with this root any more.
     assert not processes_in(root), f"processes left in the root: {processes_in(root)}"
     # Debian's packages stay: the host runs stock again once it installs
