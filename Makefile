@@ -15,7 +15,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check thinvm tests
 	$(PY) -m mypy thinvm
-	$(PY) -m pytest -ra -n 3 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -ra -n 3 --dist loadfile --durations=40 tests
 
 lint:
 	$(PY) -m ruff check thinvm tests
