@@ -3,8 +3,9 @@
 # hosts"): packaging/debian-root.sh's Debian 12 root plus what an operator
 # installs on a libvirt host, from Debian only: libvirt-daemon-system and
 # libvirt-clients 11.3 and qemu-system-x86 1:10.0.x from
-# bookworm-backports (Debian's own QEMU: a stock host), without
-# Recommends.  thinvm's packages are NOT in it: a host installs them later
+# bookworm-backports (Debian's own QEMU: a stock host), and python3 (a
+# Debian server has it; thinvm's control plane needs it, and the hosts
+# have no network to fetch it), without Recommends.  thinvm's packages are NOT in it: a host installs them later
 # with apt, from the local repository (packaging/build-debs.sh).
 #
 # The mirror is the one this machine's apt uses (scripts/debian-apt.sh
@@ -17,7 +18,8 @@
 # the Debian root tarball changes.
 #
 # The root keeps /usr/sbin/policy-rc.d (exit 101), as Debian's container
-# images do: there is no init, and the cluster starts the daemons itself.
+# images do: without an init the cluster starts the daemons itself; a host
+# booted by systemd (`cluster up --systemd`) removes it in its overlay.
 #
 # Usage: packaging/host-root.sh     (needs root; prints the unpacked root)
 set -euo pipefail
@@ -27,7 +29,7 @@ top=$(dirname "$here")
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 dir=$cache/host-root
 archives=$dir/archives
-packages=(libvirt-daemon-system libvirt-clients qemu-system-x86)
+packages=(libvirt-daemon-system libvirt-clients qemu-system-x86 python3)
 
 log() { printf '[host-root] %s\n' "$*" >&2; }
 die() { printf '[host-root] error: %s\n' "$*" >&2; exit 1; }

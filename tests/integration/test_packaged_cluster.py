@@ -12,17 +12,20 @@ Debian's QEMU at once).
 """
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import memstat, thinvm_cli, wait_for
+from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import BALLOON_QOM_PATH, DomainSpec, is_portable
@@ -53,7 +56,9 @@ def packaged(image: guest_image.DiskImage) -> Iterator[ClusterState]:
     root = Path("/var/lib/thinvm") / f"test-packaged-{os.getpid()}"
     os.environ["THINVM_CLUSTER_DIR"] = str(root)
     try:
-        with cluster.running(3, stock=["h1", "h2", "h3"], root=root, packaged=True) as state:
+        with cluster.running(
+            3, stock=["h1", "h2", "h3"], root=root, packaged=True, systemd=True
+        ) as state:
             yield state
         assert_nothing_left(root)
     finally:
@@ -153,15 +158,39 @@ def install_thinvm_qemu(state: ClusterState, name: str) -> None:
     assert cluster.host_flavour(h) == "patched"
 
 
+def systemctl(state: ClusterState, host: str, *args: str) -> str:
+    return cluster.host_run(state, host, ["systemctl", "--no-pager", *args]).stdout.strip()
+
+
+def assert_booted(state: ClusterState, host: str, timeout: float = 120.0) -> None:
+    """systemd on `host` finished starting its units, none failed."""
+    deadline = time.monotonic() + timeout
+    running = systemctl(state, host, "is-system-running")
+    while running in ("initializing", "starting") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        running = systemctl(state, host, "is-system-running")
+    assert running == "running", (running, systemctl(state, host, "--failed"))
+
+
 def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> None:
     lower = cluster.host_root_lower()
     for h in packaged.hosts:
-        pid = packaged.pids[h.name]
-        # libvirtd as packaged, the host's own root its root (pivot_root:
-        # its root mount is the host's overlay).
-        assert rooted_in(Path(f"/proc/{pid}"), f"upperdir={h.root}/upper")
-        assert os.path.samefile(f"/proc/{pid}/exe", h.rootfs / "usr/sbin/libvirtd")
+        init = packaged.pids[h.name]
+        # systemd boots the host, its own root its root (pivot_root: its
+        # root mount is the host's overlay), in the host's own cgroup.
+        assert rooted_in(Path(f"/proc/{init}"), f"upperdir={h.root}/upper")
+        assert os.path.samefile(f"/proc/{init}/exe", h.rootfs / "usr/lib/systemd/systemd")
+        assert f":name=systemd:/thinvm/{h.netns}" in Path(f"/proc/{init}/cgroup").read_text()
+        assert_booted(packaged, h.name)
+        # Debian's libvirtd, started by its socket units as packaged; the
+        # TLS listener is the one enabled, on the host's address only.
         version = virsh(h, "version")
+        assert int(systemctl(packaged, h.name, "show", "-P", "MainPID", "libvirtd.service")) > 0
+        triggers = systemctl(packaged, h.name, "show", "-P", "TriggeredBy", "libvirtd.service")
+        assert "libvirtd-tls.socket" in triggers.split(), triggers
+        listening = cluster.host_run(packaged, h.name, ["ss", "-Hltn"]).stdout
+        assert f"{h.address}:16514" in listening and ":16509" not in listening, listening
+        assert systemctl(packaged, h.name, "is-active", "virtlogd.service") == "active"
         assert "libvirt 11.3.0" in version and "QEMU 10.0.2" in version, version
         assert virsh(h, "hostname").strip() == h.hostname
         # Debian's QEMU is the host's default emulator; thinvm-qemu is absent.
@@ -169,8 +198,12 @@ def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> 
         assert f"<path>{STOCK}</path>" in caps, caps[:1000]
         assert emulator.packaged_emulator(h.uri) == emulator.PACKAGED_STOCK
         assert cluster.host_flavour(h) == "stock"
-        # Only root may use the read-write socket (no authentication on it).
-        assert stat.S_IMODE(h.socket.stat().st_mode) == 0o700
+        # The read-write socket as Debian makes it: open to all, polkit
+        # deciding (root only, by default); another user is refused.
+        assert stat.S_IMODE(h.socket.stat().st_mode) == 0o666
+        other = ["runuser", "-u", "nobody", "--", "virsh", "-c", "qemu:///system", "list"]
+        refused = cluster.host_run(packaged, h.name, other)
+        assert refused.returncode != 0 and "auth" in refused.stderr, refused
         # Debian's configuration, with our settings appended only.
         for conf in ("libvirtd.conf", "qemu.conf"):
             ours = (h.rootfs / "etc/libvirt" / conf).read_text()
@@ -328,8 +361,42 @@ def test_operator_xml_guest_on_upgraded_hosts(
         wait_for(lambda: memstat(h2, name)["actual"] == MEMORY // 1024, "the balloon at 512 MiB")
         assert migrate.balloon_counters(h2, name)["range-requests"] >= 1
         verify(h2, name, 41)
+        controller_as_a_service(packaged, "h2", name)
+        verify(h2, name, 41)
     finally:
         remove(packaged, name)
+
+
+def controller_as_a_service(state: ClusterState, host: str, name: str) -> None:
+    """The controller as an operator runs it: `apt install thinvm`,
+    `systemctl enable --now thinvm-balance` with the packaged
+    configuration (the system libvirtd's domains), then `apt purge`,
+    which stops it and leaves the guest images the host mounts."""
+    images = guest_image.IMAGES_DIR
+    before = sorted(p.name for p in images.iterdir())
+    cluster.host_apt(state, host, "install", "--no-install-recommends", "thinvm")
+    systemctl(state, host, "enable", "--now", "thinvm-balance.service")
+    status = ["env", "THINVM_CACHE=/var/lib/thinvm", "thinvm", "balance", "status", "--json"]
+
+    def managing() -> bool:
+        out = cluster.host_run(state, host, status)
+        data = json.loads(out.stdout) if out.returncode == 0 else {}
+        return name in data.get("vms", {}) and int(data.get("cycle", 0)) >= 2
+
+    wait_for(managing, f"thinvm-balance.service managing {name}", timeout=120)
+    assert systemctl(state, host, "is-active", "thinvm-balance.service") == "active"
+    cgroup = systemctl(state, host, "show", "-P", "ControlGroup", "thinvm-balance.service")
+    assert cgroup == "/system.slice/thinvm-balance.service", cgroup
+    cluster.host_apt(state, host, "purge", "thinvm")
+    assert systemctl(state, host, "is-active", "thinvm-balance.service") != "active"
+    h = state.host(host)
+    for pid in cluster._netns_pids(h.netns):
+        with contextlib.suppress(FileNotFoundError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            assert b"thinvm balance" not in args, f"process {pid}: {args!r}"
+    assert not (h.rootfs / "etc/thinvm").exists()
+    assert not (h.rootfs / "var/lib/thinvm/balance").exists()
+    assert sorted(p.name for p in images.iterdir()) == before
 
 
 # -- the pure parts (no cluster) ---------------------------------------------
@@ -362,6 +429,36 @@ def test_packaged_configuration_adds_only_listener_tls_uuid_migration_storage(
     )
     assert f"cd {h.rootfs}\npivot_root . run/thinvm-old-root\n" in script
     assert script.rstrip().endswith("exec /usr/sbin/libvirtd --listen")
+
+
+def test_a_systemd_host_boots_systemd_in_its_own_cgroup(tmp_path: Path) -> None:
+    (h,) = cluster.plan_hosts(1, tmp_path, packaged=True, systemd=True)
+    script = cluster.packaged_host_script(
+        h, tmp_path / "shared", "/var/lib/thinvm/images", tmp_path
+    )
+    lines = script.splitlines()
+    assert lines[-2:] == ["export container=thinvm", "exec unshare --cgroup /lib/systemd/systemd"]
+    # No udev acting on the machine's devices: /sys is read-only.
+    assert f"mount -t sysfs -o ro sysfs {h.rootfs}/sys" in lines
+    cgroup = cluster.host_cgroup(h)
+    assert cgroup.parent == cluster.CGROUP_PARENT and cgroup.name == h.netns
+    # The shell joins the host's cgroup before it execs systemd, which
+    # sees that cgroup as its hierarchy's root.
+    joined = lines.index(f"echo 0 > {cgroup}/cgroup.procs")
+    assert joined < lines.index("exec unshare --cgroup /lib/systemd/systemd")
+    assert f"mount --bind {cgroup} {h.rootfs}/sys/fs/cgroup/systemd" in lines
+    # libvirtd is not started by hand.
+    assert "libvirtd" not in script
+    dropin = cluster.listen_dropin(h)
+    assert dropin.endswith(f"[Socket]\nListenStream=\nListenStream={h.address}:16514\n")
+    (plain,) = cluster.plan_hosts(1, tmp_path, packaged=True, systemd=True, tls=False)
+    assert cluster.listen_dropin(plain).endswith(f"ListenStream={plain.address}:16509\n")
+
+
+def test_systemd_needs_packaged_hosts(tmp_path: Path) -> None:
+    with pytest.raises(ThinvmError, match="add --packaged"):
+        cluster.up(1, root=tmp_path / "c", systemd=True)
+    assert not (tmp_path / "c").exists()
 
 
 def test_the_destination_xml_changes_only_the_emulator() -> None:

@@ -178,8 +178,9 @@ def cmd_counters(args: argparse.Namespace) -> int:
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
     state = cluster.up(
-        args.hosts, args.link, args.stock or (), tls=args.tls, packaged=args.packaged
-    )
+        args.hosts, args.link, args.stock or (), tls=args.tls, packaged=args.packaged,
+        systemd=args.systemd,
+    )  # fmt: skip
     for h in state.hosts:
         print(f"{h.name}  {h.address}  {cluster.host_flavour(h):7}  virsh -c '{h.uri}'")
     return 0
@@ -213,7 +214,8 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
             doms, up = [], False
         flavour = cluster.host_flavour(h)
         hosts.append({"host": h.name, "address": h.address, "qemu": flavour, "up": up,
-                      "packaged": h.packaged, "domains": doms, "uri": h.uri,
+                      "packaged": h.packaged, "systemd": h.systemd, "domains": doms,
+                      "uri": h.uri,
                       "peer_uri": h.peer_uri})  # fmt: skip
         lines.append(
             f"{h.name}  {h.address}  {flavour:7}  {'up' if up else 'DOWN'}  "
@@ -353,6 +355,12 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
         action="store_true",
         help="hosts are Debian installs (own root filesystem, Debian's libvirt and QEMU, "
         "thinvm-qemu installed with apt except on --stock hosts); docs/fleet.md",
+    )
+    p.add_argument(
+        "--systemd",
+        action="store_true",
+        help="packaged hosts boot systemd as their init, which starts libvirtd "
+        "(socket-activated) and the services apt installs, as on a Debian server",
     )
     p.set_defaults(func=cmd_cluster_up)
     p = csub.add_parser(

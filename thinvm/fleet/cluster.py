@@ -77,6 +77,14 @@ APT_REPO_DIR = "/srv/thinvm-apt"
 APT_SOURCE = f"deb [trusted=yes] file:{APT_REPO_DIR} ./\n"
 APT_LIST = "/etc/apt/sources.list.d/thinvm.list"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# systemd hosts: each gets a cgroup of its own below this one in the
+# machine's name=systemd hierarchy (cgroup v1), which it sees as its root.
+CGROUP_V1_SYSTEMD = Path("/sys/fs/cgroup/systemd")
+CGROUP_PARENT = CGROUP_V1_SYSTEMD / "thinvm"
+SYSTEMD = "/lib/systemd/systemd"  # a systemd host's init, in its root
+# libvirtd's listener as Debian's units make it (socket activation); the
+# drop-in binds it to the host's own address.
+LISTEN_SOCKETS = {True: ("libvirtd-tls.socket", 16514), False: ("libvirtd-tcp.socket", 16509)}
 
 
 def cluster_dir() -> Path:
@@ -117,6 +125,10 @@ class Host:
     # A real Debian install (`up --packaged`): its own root filesystem with
     # Debian's libvirt and QEMU; thinvm's packages installed with apt.
     packaged: bool = False
+    # A packaged host booted by systemd as its PID 1 (`up --systemd`):
+    # libvirtd, virtlogd and our services are socket-activated or started
+    # as units, as on a Debian server.
+    systemd: bool = False
 
     @property
     def rootfs(self) -> Path:
@@ -261,6 +273,17 @@ def host_script(host: Host, patched_dir: Path, stock_dir: Path) -> str:
 def packaged_libvirtd_conf(host: Host) -> str:
     """What `up --packaged` appends to the host's packaged
     /etc/libvirt/libvirtd.conf (every line of Debian's is a comment)."""
+    if host.systemd:
+        # The listener is a socket unit (listen_dropin), and the read-write
+        # socket stays Debian's: polkit decides who may use it (the
+        # D-Bus system bus runs here), root only by default.
+        return f"""
+# thinvm cluster host {host.name}: added by `thinvm cluster up --packaged --systemd`.
+# The listener is libvirtd-{"tls" if host.tls else "tcp"}.socket (a drop-in binds it to
+# this host's address); these keys say how it authenticates.
+{_listener(host.tls)}host_uuid = "{host.host_uuid}"
+log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
+"""
     return f"""
 # thinvm cluster host {host.name}: added by `thinvm cluster up --packaged`.
 # The listener (started with --listen), on this host's address only.
@@ -299,14 +322,15 @@ _DEV_NODES = (
 
 def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> str:
     """The shell that turns a fresh mount+UTS namespace into a packaged
-    host and execs its libvirtd, with the host's root as the namespace's."""
+    host and execs its libvirtd (or, on a systemd host, systemd), with the
+    host's root as the namespace's."""
     r = host.rootfs
     lines = [
         "set -e",
         "mount --make-rprivate /",
         f"hostname {host.hostname}",
         f"mount -t proc proc {r}/proc",
-        f"mount -t sysfs sysfs {r}/sys",
+        *(_systemd_sysfs(host) if host.systemd else [f"mount -t sysfs sysfs {r}/sys"]),
         # A /dev of its own with the usual nodes and no /dev/kvm: the guests
         # run under TCG (README), and a /dev/kvm whose group is not the
         # host's kvm group made libvirt probe QEMU again at every call.
@@ -336,12 +360,46 @@ def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> s
         "cd /",
         "umount -l /run/thinvm-old-root",
         "rmdir /run/thinvm-old-root",
+    ]
+    if host.systemd:
+        # systemd as this PID namespace's init, told it runs in a container
+        # (no udev, no hardware clock, no getty on a console it lacks), in
+        # a cgroup namespace rooted at the host's cgroup: it sees its units
+        # where a server's are (/system.slice/...).
+        lines += ["export container=thinvm", f"exec unshare --cgroup {SYSTEMD}"]
+    else:
         # Debian's daemons as packaged, with their packaged configuration
         # files and pid files; virtlogd takes the guests' consoles.
-        "/usr/sbin/virtlogd -d || echo 'virtlogd: not started (still running?)'",
-        "exec /usr/sbin/libvirtd --listen",
-    ]
+        lines += [
+            "/usr/sbin/virtlogd -d || echo 'virtlogd: not started (still running?)'",
+            "exec /usr/sbin/libvirtd --listen",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def host_cgroup(host: Host) -> Path:
+    """A systemd host's cgroup in the machine's name=systemd hierarchy."""
+    return CGROUP_PARENT / host.netns
+
+
+def _systemd_sysfs(host: Host) -> list[str]:
+    """/sys for systemd as a container's init: read-only, so that no udev
+    starts to act on the machine's devices (systemd-udevd wants it
+    writable), with the host's own cgroup as the root of its name=systemd
+    hierarchy (cgroup v1, legacy mode: systemd 254 still runs there); the
+    shell moves itself into that cgroup before it becomes systemd.  /run
+    is made a mount point so that systemd leaves it alone (no tmpfs over
+    it): the control plane reaches libvirtd's socket through it from
+    outside, as on the other packaged hosts."""
+    r, cgroup = host.rootfs, host_cgroup(host)
+    return [
+        f"mount -t sysfs -o ro sysfs {r}/sys",
+        f"mount -t tmpfs -o mode=0755,nosuid,nodev,noexec tmpfs {r}/sys/fs/cgroup",
+        f"mkdir {r}/sys/fs/cgroup/systemd",
+        f"echo 0 > {cgroup}/cgroup.procs",
+        f"mount --bind {cgroup} {r}/sys/fs/cgroup/systemd",
+        f"mount --bind {r}/run {r}/run",
+    ]
 
 
 def overlay_options(lower: Path, host_dir: Path) -> str:
@@ -358,7 +416,12 @@ def group_id(etc_group: str, name: str) -> int:
 
 
 def plan_hosts(
-    count: int, root: Path, stock: Sequence[str] = (), tls: bool = True, packaged: bool = False
+    count: int,
+    root: Path,
+    stock: Sequence[str] = (),
+    tls: bool = True,
+    packaged: bool = False,
+    systemd: bool = False,
 ) -> list[Host]:
     if not 1 <= count <= 16:
         raise ThinvmError(f"--hosts {count}: want 1 to 16")
@@ -377,6 +440,7 @@ def plan_hosts(
             netns=f"{ns_prefix(root)}{name}",
             tls=tls,
             packaged=packaged,
+            systemd=systemd,
         )
         for i, name in enumerate(names, start=1)
     ]
@@ -509,6 +573,50 @@ def _write_packaged_host(h: Host, ca: tuple[Path, Path] | None, lower: Path) -> 
         gid = group_id((r / "etc/group").read_text(), QEMU_GROUP)
         pki.host_tree(r / "etc/pki", ca, h.address, h.hostname, gid)
     (r / APT_LIST.lstrip("/")).write_text(APT_SOURCE)
+    if h.systemd:
+        _write_systemd_host(h)
+
+
+def listen_dropin(host: Host) -> str:
+    """The drop-in that binds the host's libvirtd listener socket unit to
+    its own address (Debian's listens on every address)."""
+    _, port = LISTEN_SOCKETS[host.tls]
+    return (
+        f"# thinvm cluster host {host.name}: added by `thinvm cluster up --systemd`.\n"
+        f"[Socket]\nListenStream=\nListenStream={host.address}:{port}\n"
+    )
+
+
+def _write_systemd_host(h: Host) -> None:
+    """What a systemd host differs in from the cached root: its identity
+    (host name, machine id), the listener socket unit enabled as an
+    operator would (`systemctl enable libvirtd-tls.socket`), services
+    allowed to start from maintainer scripts (the cached root forbids it,
+    as Debian's container images do), and no getty on a console it lacks."""
+    r = h.rootfs
+    (r / "etc/hostname").write_text(h.hostname + "\n")
+    (r / "etc/machine-id").write_text(uuid.UUID(h.host_uuid).hex + "\n")
+    (r / "usr/sbin/policy-rc.d").unlink(missing_ok=True)
+    units = r / "etc/systemd/system"
+    unit, _ = LISTEN_SOCKETS[h.tls]
+    (units / f"{unit}.d").mkdir(parents=True, exist_ok=True)
+    (units / f"{unit}.d/listen-address.conf").write_text(listen_dropin(h))
+    wants = units / "sockets.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / unit).symlink_to(f"/lib/systemd/system/{unit}")
+    (units / "console-getty.service").symlink_to("/dev/null")
+    host_cgroup(h).mkdir(parents=True, exist_ok=True)
+
+
+def _remove_cgroup(path: Path) -> None:
+    """Remove a cgroup tree whose processes are gone, deepest first."""
+    if not path.is_dir():
+        return
+    for sub in sorted((d for d in path.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _start_daemon(h: Host) -> int:
@@ -521,14 +629,36 @@ def _start_daemon(h: Host) -> int:
         patched = emulator.emulator_path("patched").parent
         stock = emulator.emulator_path("stock").parent
         script = host_script(h, patched, stock)
+    # A systemd host has PID and IPC namespaces of its own: systemd wants
+    # to be PID 1.  unshare forks it and stays its parent.  It enters the
+    # network namespace with nsenter: `ip netns exec` mounts a fresh /sys,
+    # which would hide the machine's cgroup hierarchies from the script.
+    if h.systemd:
+        netns = ["nsenter", f"--net=/run/netns/{h.netns}"]
+        own = ["--ipc", "--pid", "--fork", "--kill-child"]
+    else:
+        netns, own = ["ip", "netns", "exec", h.netns], []
     log = (Path(h.root) / "daemon.log").open("ab")
     with log:
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--",
-             "sh", "-c", script],
+            [*netns, "unshare", "--mount", "--uts", *own, "--", "sh", "-c", script],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
-    return proc.pid
+    return _init_of(h, proc.pid) if h.systemd else proc.pid
+
+
+def _init_of(h: Host, unshare: int, timeout: float = 10.0) -> int:
+    """The PID 1 (as the machine numbers it) that unshare --fork started."""
+    children = Path(f"/proc/{unshare}/task/{unshare}/children")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(unshare):
+        with contextlib.suppress(OSError):
+            found = children.read_text().split()
+            if found:
+                return int(found[0])
+        time.sleep(0.05)
+    log = (Path(h.root) / "daemon.log").read_text(errors="replace").strip().splitlines()
+    raise ThinvmError(f"systemd of {h.name} did not start: {' | '.join(log[-3:]) or 'no output'}")
 
 
 def _wait_ready(h: Host, pid: int) -> None:
@@ -575,11 +705,14 @@ def host_run(
     if not h.packaged:
         raise ThinvmError(f"{name} is not a packaged host (`thinvm cluster up --packaged`)")
     pid = state.pids.get(name, 0)
-    if not (pid and _alive(pid) and _is_libvirtd(pid)):
-        raise ThinvmError(f"libvirtd of {name} is not running")
+    if not (pid and _alive(pid) and _is_host_daemon(h, pid)):
+        raise ThinvmError(f"{_daemon_name(h)} of {name} is not running")
     env = {"PATH": HOST_PATH, "HOME": "/root", "LANG": "C.UTF-8",
            "DEBIAN_FRONTEND": "noninteractive"}  # fmt: skip
-    cmd = ["nsenter", "-t", str(pid), "-n", "-m", "-u", "-r", "-w", "--", *argv]
+    # On a systemd host, its PID and IPC namespaces too: systemctl and
+    # maintainer scripts see its processes.
+    own = ["-p", "-i"] if h.systemd else []
+    cmd = ["nsenter", "-t", str(pid), "-n", "-m", "-u", *own, "-r", "-w", "--", *argv]
     try:
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=env,
@@ -620,7 +753,7 @@ def kill_daemon(name: str, root: Path | None = None) -> int:
     running.  Returns the pid killed."""
     root = root or cluster_dir()
     state = load_state(root)
-    state.host(name)
+    _refuse_on_systemd(state.host(name))
     pid = state.pids.get(name, 0)
     if not (pid and _alive(pid) and _is_libvirtd(pid)):
         raise ThinvmError(f"libvirtd of {name} is not running")
@@ -631,12 +764,24 @@ def kill_daemon(name: str, root: Path | None = None) -> int:
     return pid
 
 
+def _refuse_on_systemd(h: Host) -> None:
+    """Fault injection works on the daemon the cluster started itself; on a
+    systemd host, systemd owns libvirtd and restarts it when it fails."""
+    if h.systemd:
+        raise ThinvmError(
+            f"{h.name} runs systemd, which restarts a killed libvirtd: use "
+            f"'thinvm cluster exec {h.name} -- systemctl kill --signal=KILL libvirtd' "
+            "or 'systemctl stop libvirtd.service libvirtd*.socket' there"
+        )
+
+
 def restart_daemon(name: str, root: Path | None = None) -> int:
     """Start a host's libvirtd again after it died; libvirt then reconnects
     to (or cleans up after) the QEMUs it left.  Returns the new pid."""
     root = root or cluster_dir()
     state = load_state(root)
     h = state.host(name)
+    _refuse_on_systemd(h)
     old = state.pids.get(name, 0)
     if old and _alive(old) and _is_libvirtd(old):
         raise ThinvmError(f"libvirtd of {name} is running (pid {old})")
@@ -653,14 +798,23 @@ def up(
     root: Path | None = None,
     tls: bool = True,
     packaged: bool = False,
+    systemd: bool = False,
 ) -> ClusterState:
     """Create the cluster: namespaces, bridge, one libvirtd per host; TLS
     between hosts unless `tls` is False.  `packaged`: hosts are Debian
     installs (module docstring); those not in `stock` install thinvm-qemu
-    with apt once their libvirtd is up."""
+    with apt once their libvirtd is up.  `systemd`: packaged hosts boot
+    systemd, which starts their daemons."""
     root = root or cluster_dir()
     if os.geteuid() != 0:
         raise ThinvmError("thinvm cluster needs root (namespaces, libvirtd)")
+    if systemd and not packaged:
+        raise ThinvmError("--systemd boots packaged hosts: add --packaged")
+    if systemd and not CGROUP_V1_SYSTEMD.is_dir():
+        raise ThinvmError(
+            f"--systemd needs the cgroup v1 name=systemd hierarchy at {CGROUP_V1_SYSTEMD} "
+            "(systemd 254 in the hosts runs there, in legacy mode)"
+        )
     if state_path(root).exists() or our_namespaces(root):
         raise ThinvmError("a cluster is already up: run 'thinvm cluster down' first")
     lower = None
@@ -674,7 +828,7 @@ def up(
                     f"emulator {emulator.emulator_path(flavour)} missing: "
                     "run 'thinvm fleet install'"
                 )
-    hosts = plan_hosts(count, root, stock, tls, packaged)
+    hosts = plan_hosts(count, root, stock, tls, packaged, systemd)
     shared_dir(root).mkdir(parents=True, exist_ok=True)
     state = ClusterState(hosts=hosts, link=link, pids={})
     _save_state(root, state)  # before anything exists: down can clean a partial up
@@ -781,6 +935,11 @@ def down(root: Path | None = None) -> list[str]:
         for h in state.hosts:
             if h.socket.exists():
                 _destroy_domains(h)
+        # A systemd host's init takes its whole PID namespace with it.
+        for h in state.hosts:
+            pid = state.pids.get(h.name, 0)
+            if h.systemd and pid and _alive(pid) and _is_host_daemon(h, pid):
+                os.kill(pid, signal.SIGKILL)
     for ns in our_namespaces(root):
         left = _kill_all(ns)
         if left:
@@ -789,10 +948,19 @@ def down(root: Path | None = None) -> list[str]:
         removed.append(ns)
     # Daemons that lost their namespace (a crash between steps) by pid.
     if state:
-        for name, pid in state.pids.items():
-            if _alive(pid) and _is_libvirtd(pid):
+        for h in state.hosts:
+            pid = state.pids.get(h.name, 0)
+            if pid and _alive(pid) and _is_host_daemon(h, pid):
                 os.kill(pid, signal.SIGKILL)
-                removed.append(f"libvirtd of {name}")
+                removed.append(f"{_daemon_name(h)} of {h.name}")
+    # systemd hosts' cgroups (their processes are gone now).
+    host_ns = re.compile(re.escape(ns_prefix(root)) + r"h\d+")
+    with contextlib.suppress(OSError):
+        for cgroup in CGROUP_PARENT.iterdir():
+            if host_ns.fullmatch(cgroup.name) and cgroup.is_dir():
+                _remove_cgroup(cgroup)
+                removed.append(f"cgroup {cgroup}")
+        CGROUP_PARENT.rmdir()  # when no other cluster's host is left in it
     # Packaged hosts' root overlays (everything else was mounted in the
     # hosts' own namespaces, gone with their processes).
     for point in _mounts_under(root):
@@ -811,6 +979,33 @@ def _is_libvirtd(pid: int) -> bool:
     return False
 
 
+def machine_pid(h: Host, pid: int) -> int:
+    """The machine's number of a process a systemd host knows as `pid`
+    (its own PID namespace numbers it, e.g. in libvirt's pid files)."""
+    for candidate in _netns_pids(h.netns):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{candidate}/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    if len(ids) > 1 and int(ids[-1]) == pid:
+                        return candidate
+                    break
+    raise ThinvmError(f"no process {pid} of {h.name} found on this machine")
+
+
+def _daemon_name(h: Host) -> str:
+    """What the cluster started on a host and keeps the pid of."""
+    return "systemd" if h.systemd else "libvirtd"
+
+
+def _is_host_daemon(h: Host, pid: int) -> bool:
+    if not h.systemd:
+        return _is_libvirtd(pid)
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == SYSTEMD.encode()
+    return False
+
+
 @contextlib.contextmanager
 def running(
     count: int,
@@ -819,9 +1014,10 @@ def running(
     root: Path | None = None,
     tls: bool = True,
     packaged: bool = False,
+    systemd: bool = False,
 ) -> Iterator[ClusterState]:
     """A cluster for the length of a with-block (tests, benchmarks)."""
-    state = up(count, link, stock, root, tls, packaged)
+    state = up(count, link, stock, root, tls, packaged, systemd)
     try:
         yield state
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from thinvm.errors import GuestError, ThinvmError
 from thinvm.fleet import emulator
-from thinvm.fleet.cluster import ClusterState, Host, virsh
+from thinvm.fleet.cluster import ClusterState, Host, machine_pid, virsh
 from thinvm.fleet.domain import AGENT_PORT, DomainSpec, domain_xml
 from thinvm.guest.agent import AgentClient, CommandResult
 from thinvm.guest.image import DiskImage, create_overlay, guest_info
@@ -122,9 +122,10 @@ def qemu_pid(host: Host, name: str) -> int:
     """The domain's QEMU process, from the pid file libvirt keeps."""
     path = host.outside(f"/run/libvirt/qemu/{name}.pid")
     try:
-        return int(path.read_text().split()[0])
+        pid = int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError) as exc:
         raise ThinvmError(f"{name} on {host.name}: no QEMU pid in {path}") from exc
+    return machine_pid(host, pid) if host.systemd else pid
 
 
 def reporting_on(host: Host, name: str) -> bool:
