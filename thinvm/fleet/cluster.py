@@ -277,18 +277,19 @@ def packaged_libvirtd_conf(host: Host) -> str:
         # The listener is a socket unit (listen_dropin), and the read-write
         # socket stays Debian's: polkit decides who may use it (the
         # D-Bus system bus runs here), root only by default.
-        return f"""
-# thinvm cluster host {host.name}: added by `thinvm cluster up --packaged --systemd`.
-# The listener is libvirtd-{"tls" if host.tls else "tcp"}.socket (a drop-in binds it to
-# this host's address); these keys say how it authenticates.
-{_listener(host.tls)}host_uuid = "{host.host_uuid}"
-log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
-"""
+        unit, _ = LISTEN_SOCKETS[host.tls]
+        origin = "`thinvm cluster up --packaged --systemd`"
+        listener = f"# The listener is {unit} (a drop-in binds it to this host's address);\n"
+        listener += "# these keys say how it authenticates.\n" + _listener(host.tls)
+        unix = ""
+    else:
+        origin = "`thinvm cluster up --packaged`"
+        listener = "# The listener (started with --listen), on this host's address only.\n"
+        listener += f'{_listener(host.tls)}listen_addr = "{host.address}"\n'
+        unix = _UNIX_RW
     return f"""
-# thinvm cluster host {host.name}: added by `thinvm cluster up --packaged`.
-# The listener (started with --listen), on this host's address only.
-{_listener(host.tls)}listen_addr = "{host.address}"
-{_UNIX_RW}host_uuid = "{host.host_uuid}"
+# thinvm cluster host {host.name}: added by {origin}.
+{listener}{unix}host_uuid = "{host.host_uuid}"
 log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
 """
 
