@@ -21,12 +21,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import memstat, thinvm_cli, wait_for
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import BALLOON_QOM_PATH, DomainSpec, is_portable
 from thinvm.guest import image as guest_image
@@ -41,6 +42,7 @@ pytestmark = [
 MEMORY = 512 * MiB
 PATTERN = "/dev/shm/thinvm-packaged-pattern"
 PATTERN_MIB = 48
+POOL_SLOT = 64 * MiB  # the warm pool's slot on a host (tmpfs: no huge pages here)
 THINVM = str(emulator.PACKAGED_THINVM)
 STOCK = str(emulator.PACKAGED_STOCK)
 
@@ -97,6 +99,12 @@ def assert_nothing_left(root: Path) -> None:
     assert not processes_rooted_in(root), processes_rooted_in(root)
     assert str(root) not in Path("/proc/self/mountinfo").read_text()
     assert not root.exists()
+    prefix = cluster.ns_prefix(root)
+    cgroups = [
+        str(d) for n in hostcgroups.hierarchies() for d in (hostcgroups.CGROUP_ROOT / n).glob("*/*")
+        if d.name.startswith(prefix)
+    ]  # fmt: skip
+    assert not cgroups, cgroups
 
 
 def in_guest(h: Host, name: str, command: str) -> str:
@@ -335,6 +343,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
         guest.wait_booted(h1, name)
         assert qemu_of(h1, name) == (THINVM, cluster.QEMU_USER)
         assert virsh(h1, "ttyconsole", name).strip().startswith("/dev/pts/")
+        guest_cgroups_hold(h1, name)
         # libvirt passed no reporting property: the machine type's default.
         cmdline = Path(f"/proc/{guest.qemu_pid(h1, name)}/cmdline").read_bytes()
         assert b"free-page-reporting" not in cmdline and b"x-ranges" not in cmdline, cmdline
@@ -361,21 +370,79 @@ def test_operator_xml_guest_on_upgraded_hosts(
         wait_for(lambda: memstat(h2, name)["actual"] == MEMORY // 1024, "the balloon at 512 MiB")
         assert migrate.balloon_counters(h2, name)["range-requests"] >= 1
         verify(h2, name, 41)
-        controller_as_a_service(packaged, "h2", name)
+        services_as_packaged(packaged, "h2", name)
         verify(h2, name, 41)
     finally:
         remove(packaged, name)
 
 
-def controller_as_a_service(state: ClusterState, host: str, name: str) -> None:
-    """The controller as an operator runs it: `apt install thinvm`,
-    `systemctl enable --now thinvm-balance` with the packaged
-    configuration (the system libvirtd's domains), then `apt purge`,
-    which stops it and leaves the guest images the host mounts."""
+def guest_cgroups_hold(h: Host, name: str) -> None:
+    """libvirt put the guest's QEMU in cgroups of its own below the host's
+    machine.slice, in every hierarchy (none in the machine's or another
+    host's), and <memtune> and <cputune> set there take effect."""
+    pid = guest.qemu_pid(h, name)
+    scope = "/machine.slice/machine-qemu"
+    paths = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        assert path.startswith(f"/thinvm/{h.netns}{scope}"), line
+        paths[controllers] = path
+    assert {"memory", "cpu", "cpuacct", "blkio", "pids", "devices"} <= set(paths), paths
+    # Live, as `virsh memtune` and `virsh schedinfo` are used on a running
+    # guest; they move with it.  A soft limit: libvirt makes a hard limit
+    # QEMU's RLIMIT_MEMLOCK too, at the start of a QEMU (the destination's
+    # in a migration), and this machine does not let root raise that limit
+    # (no CAP_SYS_RESOURCE), docs/fleet.md.
+    virsh(h, "memtune", name, "--soft-limit", str(2 * MEMORY // 1024), "--live")
+    virsh(h, "schedinfo", name, "--live", "--set", "cpu_shares=512")
+    memory = Path("/sys/fs/cgroup/memory" + paths["memory"])
+    assert int((memory / "memory.soft_limit_in_bytes").read_text()) == 2 * MEMORY
+    assert int((memory / "memory.usage_in_bytes").read_text()) > MEMORY // 8
+    # Shares weigh the guest's scope against its siblings; QEMU's threads
+    # sit in cgroups below it (libvirt/emulator, libvirt/vcpuN).
+    cpu = Path("/sys/fs/cgroup/cpu" + paths["cpu"])
+    (scope,) = [d for d in (cpu, *cpu.parents) if d.name.startswith("machine-qemu")]
+    assert int((scope / "cpu.shares").read_text()) == 512
+    assert "cpu_shares     : 512" in virsh(h, "schedinfo", name)
+
+
+def pool_filled(state: ClusterState, host: str) -> str:
+    """Wait until thinvm-pool.service filled its slot; where its files are."""
+    command = ["thinvm", "pool", "status", "--root", "/var/lib/thinvm/pool", "--json"]
+    status: dict[str, Any] = {}
+
+    def filled() -> bool:
+        nonlocal status
+        out = cluster.host_run(state, host, ["env", "THINVM_CACHE=/var/lib/thinvm", *command])
+        status = json.loads(out.stdout) if out.returncode == 0 else {}
+        return [(s["state"], s["held"]) for s in status.get("slots", [])] == [("free", POOL_SLOT)]
+
+    try:
+        wait_for(filled, "thinvm-pool.service filling its slot", timeout=120)
+    except AssertionError:
+        journal = ["journalctl", "--no-pager", "-n", "30", "-u", "thinvm-pool.service"]
+        raise AssertionError(f"{status}\n{cluster.host_run(state, host, journal).stdout}") from None
+    assert systemctl(state, host, "is-active", "thinvm-pool.service") == "active"
+    cgroup = systemctl(state, host, "show", "-P", "ControlGroup", "thinvm-pool.service")
+    assert cgroup == "/system.slice/thinvm-pool.service", cgroup
+    return str(status["directory"])
+
+
+def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
+    """The controller and the warm pool as an operator runs them: `apt
+    install thinvm`, the pool's slot size set in its config file,
+    `systemctl enable --now thinvm-balance thinvm-pool` (the controller
+    with the packaged configuration: the system libvirtd's domains), then
+    `apt purge`, which stops both, gives the pool's memory back and leaves
+    the guest images the host mounts."""
     images = guest_image.IMAGES_DIR
     before = sorted(p.name for p in images.iterdir())
     cluster.host_apt(state, host, "install", "--no-install-recommends", "thinvm")
-    systemctl(state, host, "enable", "--now", "thinvm-balance.service")
+    h = state.host(host)
+    # The warm pool as an operator sizes it, in its packaged config file.
+    pool_conf = h.rootfs / "etc/thinvm/pool.conf"
+    pool_conf.write_text(pool_conf.read_text() + f'THINVM_POOL_ARGS="--slot {POOL_SLOT // MiB}M"\n')
+    systemctl(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
     status = ["env", "THINVM_CACHE=/var/lib/thinvm", "thinvm", "balance", "status", "--json"]
 
     def managing() -> bool:
@@ -387,13 +454,18 @@ def controller_as_a_service(state: ClusterState, host: str, name: str) -> None:
     assert systemctl(state, host, "is-active", "thinvm-balance.service") == "active"
     cgroup = systemctl(state, host, "show", "-P", "ControlGroup", "thinvm-balance.service")
     assert cgroup == "/system.slice/thinvm-balance.service", cgroup
+    slots = pool_filled(state, host)
     cluster.host_apt(state, host, "purge", "thinvm")
-    assert systemctl(state, host, "is-active", "thinvm-balance.service") != "active"
-    h = state.host(host)
+    for service in ("thinvm-balance.service", "thinvm-pool.service"):
+        assert systemctl(state, host, "is-active", service) != "active", service
     for pid in cluster._netns_pids(h.netns):
         with contextlib.suppress(FileNotFoundError):
             args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             assert b"thinvm balance" not in args, f"process {pid}: {args!r}"
+            assert b"thinvm pool" not in args, f"process {pid}: {args!r}"
+    # The pool's ExecStop gave the slot's memory back.
+    held = cluster.host_run(state, host, ["find", slots, "-type", "f", "-size", "+0"])
+    assert held.stdout.strip() == "", held.stdout
     assert not (h.rootfs / "etc/thinvm").exists()
     assert not (h.rootfs / "var/lib/thinvm/balance").exists()
     assert sorted(p.name for p in images.iterdir()) == before
@@ -433,8 +505,9 @@ def test_packaged_configuration_adds_only_listener_tls_uuid_migration_storage(
 
 def test_a_systemd_host_boots_systemd_in_its_own_cgroup(tmp_path: Path) -> None:
     (h,) = cluster.plan_hosts(1, tmp_path, packaged=True, systemd=True)
+    hierarchies = ["systemd", "memory", "cpuset", "net_cls,net_prio", "unified"]
     script = cluster.packaged_host_script(
-        h, tmp_path / "shared", "/var/lib/thinvm/images", tmp_path
+        h, tmp_path / "shared", "/var/lib/thinvm/images", tmp_path, hierarchies
     )
     lines = script.splitlines()
     assert lines[-2:] == ["export container=thinvm", "exec unshare --cgroup /lib/systemd/systemd"]
@@ -442,11 +515,13 @@ def test_a_systemd_host_boots_systemd_in_its_own_cgroup(tmp_path: Path) -> None:
     assert f"mount -t sysfs -o ro sysfs {h.rootfs}/sys" in lines
     cgroup = cluster.host_cgroup(h)
     assert cgroup.parent == cluster.CGROUP_PARENT and cgroup.name == h.netns
-    # The shell joins the host's cgroup before it execs systemd, which
-    # sees that cgroup as its hierarchy's root.
-    joined = lines.index(f"echo 0 > {cgroup}/cgroup.procs")
-    assert joined < lines.index("exec unshare --cgroup /lib/systemd/systemd")
-    assert f"mount --bind {cgroup} {h.rootfs}/sys/fs/cgroup/systemd" in lines
+    # The shell joins the host's cgroup in every hierarchy before it execs
+    # systemd, which sees each as that hierarchy's root.
+    for name in hierarchies:
+        own = Path("/sys/fs/cgroup") / name / "thinvm" / h.netns
+        joined = lines.index(f"echo 0 > {own}/cgroup.procs")
+        assert joined < lines.index("exec unshare --cgroup /lib/systemd/systemd")
+        assert f"mount --bind {own} {h.rootfs}/sys/fs/cgroup/{name}" in lines
     # libvirtd is not started by hand.
     assert "libvirtd" not in script
     dropin = cluster.listen_dropin(h)

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from thinvm.errors import ThinvmError
-from thinvm.fleet import emulator, pki
+from thinvm.fleet import emulator, hostcgroups, pki
 from thinvm.guest import image as guest_image
 from thinvm.paths import REPO, cache_dir
 from thinvm.progress import ProgressLine
@@ -78,9 +78,10 @@ APT_SOURCE = f"deb [trusted=yes] file:{APT_REPO_DIR} ./\n"
 APT_LIST = "/etc/apt/sources.list.d/thinvm.list"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # systemd hosts: each gets a cgroup of its own below this one in the
-# machine's name=systemd hierarchy (cgroup v1), which it sees as its root.
-CGROUP_V1_SYSTEMD = Path("/sys/fs/cgroup/systemd")
-CGROUP_PARENT = CGROUP_V1_SYSTEMD / "thinvm"
+# machine's name=systemd hierarchy (cgroup v1), which it sees as its root,
+# and the same in every other hierarchy (hostcgroups).
+CGROUP_V1_SYSTEMD = hostcgroups.CGROUP_ROOT / "systemd"
+CGROUP_PARENT = CGROUP_V1_SYSTEMD / hostcgroups.PARENT
 SYSTEMD = "/lib/systemd/systemd"  # a systemd host's init, in its root
 # libvirtd's listener as Debian's units make it (socket activation); the
 # drop-in binds it to the host's own address.
@@ -298,9 +299,9 @@ def packaged_qemu_conf(host: Host, shared: Path) -> str:
     """What `up --packaged` appends to the host's packaged qemu.conf: the
     migration address, TLS on every migration stream, and the cluster's
     shared storage.  Everything else stays Debian's: QEMU as libvirt-qemu,
-    dynamic ownership, namespaces, virtlogd for the console; no cgroups
-    and no AppArmor because this host has neither mounted (no systemd,
-    no securityfs), which libvirt finds out for itself."""
+    dynamic ownership, namespaces, virtlogd for the console, cgroups for
+    each guest where the host has them (systemd hosts); no AppArmor, as
+    this machine's kernel has none, which libvirt finds out for itself."""
     tls = _MIGRATE_TLS if host.tls else ""
     return f"""
 # thinvm cluster host {host.name}: added by `thinvm cluster up --packaged`.
@@ -321,7 +322,9 @@ _DEV_NODES = (
 )  # fmt: skip
 
 
-def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> str:
+def packaged_host_script(
+    host: Host, shared: Path, images: str, repo: Path, hierarchies: Sequence[str] = ("systemd",)
+) -> str:
     """The shell that turns a fresh mount+UTS namespace into a packaged
     host and execs its libvirtd (or, on a systemd host, systemd), with the
     host's root as the namespace's."""
@@ -331,7 +334,7 @@ def packaged_host_script(host: Host, shared: Path, images: str, repo: Path) -> s
         "mount --make-rprivate /",
         f"hostname {host.hostname}",
         f"mount -t proc proc {r}/proc",
-        *(_systemd_sysfs(host) if host.systemd else [f"mount -t sysfs sysfs {r}/sys"]),
+        *(_systemd_sysfs(host, hierarchies) if host.systemd else [f"mount -t sysfs sysfs {r}/sys"]),
         # A /dev of its own with the usual nodes and no /dev/kvm: the guests
         # run under TCG (README), and a /dev/kvm whose group is not the
         # host's kvm group made libvirt probe QEMU again at every call.
@@ -383,22 +386,22 @@ def host_cgroup(host: Host) -> Path:
     return CGROUP_PARENT / host.netns
 
 
-def _systemd_sysfs(host: Host) -> list[str]:
+def _systemd_sysfs(host: Host, hierarchies: Sequence[str]) -> list[str]:
     """/sys for systemd as a container's init: read-only, so that no udev
     starts to act on the machine's devices (systemd-udevd wants it
     writable), with the host's own cgroup as the root of its name=systemd
     hierarchy (cgroup v1, legacy mode: systemd 254 still runs there); the
-    shell moves itself into that cgroup before it becomes systemd.  /run
-    is made a mount point so that systemd leaves it alone (no tmpfs over
-    it): the control plane reaches libvirtd's socket through it from
-    outside, as on the other packaged hosts."""
-    r, cgroup = host.rootfs, host_cgroup(host)
+    shell moves itself into that cgroup before it becomes systemd.  Every
+    other hierarchy is delegated the same way, a subtree each, so systemd
+    and libvirt find the controllers where a server has them and keep out
+    of the machine's and the other hosts' cgroups.  /run is made a mount
+    point so that systemd leaves it alone (no tmpfs over it): the control
+    plane reaches libvirtd's socket through it from outside, as on the
+    other packaged hosts."""
+    r = host.rootfs
     return [
         f"mount -t sysfs -o ro sysfs {r}/sys",
-        f"mount -t tmpfs -o mode=0755,nosuid,nodev,noexec tmpfs {r}/sys/fs/cgroup",
-        f"mkdir {r}/sys/fs/cgroup/systemd",
-        f"echo 0 > {cgroup}/cgroup.procs",
-        f"mount --bind {cgroup} {r}/sys/fs/cgroup/systemd",
+        *hostcgroups.join_lines(r, host.netns, list(hierarchies)),
         f"mount --bind {r}/run {r}/run",
     ]
 
@@ -606,18 +609,7 @@ def _write_systemd_host(h: Host) -> None:
     wants.mkdir(parents=True, exist_ok=True)
     (wants / unit).symlink_to(f"/lib/systemd/system/{unit}")
     (units / "console-getty.service").symlink_to("/dev/null")
-    host_cgroup(h).mkdir(parents=True, exist_ok=True)
-
-
-def _remove_cgroup(path: Path) -> None:
-    """Remove a cgroup tree whose processes are gone, deepest first."""
-    if not path.is_dir():
-        return
-    for sub in sorted((d for d in path.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-        with contextlib.suppress(OSError):
-            sub.rmdir()
-    with contextlib.suppress(OSError):
-        path.rmdir()
+    hostcgroups.create(h.netns, hostcgroups.hierarchies())
 
 
 def _start_daemon(h: Host) -> int:
@@ -625,7 +617,8 @@ def _start_daemon(h: Host) -> int:
         shared = shared_dir(Path(h.root).parent.parent)
         # Guest images, at the same path in every host's root.
         images = str(guest_image.IMAGES_DIR)
-        script = packaged_host_script(h, shared, images, cache_dir() / "apt-repo")
+        repo = cache_dir() / "apt-repo"
+        script = packaged_host_script(h, shared, images, repo, hostcgroups.hierarchies())
     else:
         patched = emulator.emulator_path("patched").parent
         stock = emulator.emulator_path("stock").parent
@@ -818,6 +811,8 @@ def up(
         )
     if state_path(root).exists() or our_namespaces(root):
         raise ThinvmError("a cluster is already up: run 'thinvm cluster down' first")
+    if systemd:
+        hostcgroups.mount_missing()
     lower = None
     if packaged:
         lower = host_root_lower()
@@ -954,14 +949,8 @@ def down(root: Path | None = None) -> list[str]:
             if pid and _alive(pid) and _is_host_daemon(h, pid):
                 os.kill(pid, signal.SIGKILL)
                 removed.append(f"{_daemon_name(h)} of {h.name}")
-    # systemd hosts' cgroups (their processes are gone now).
-    host_ns = re.compile(re.escape(ns_prefix(root)) + r"h\d+")
-    with contextlib.suppress(OSError):
-        for cgroup in CGROUP_PARENT.iterdir():
-            if host_ns.fullmatch(cgroup.name) and cgroup.is_dir():
-                _remove_cgroup(cgroup)
-                removed.append(f"cgroup {cgroup}")
-        CGROUP_PARENT.rmdir()  # when no other cluster's host is left in it
+    # systemd hosts' cgroups, in every hierarchy (their processes are gone).
+    removed += hostcgroups.remove(re.compile(re.escape(ns_prefix(root)) + r"h\d+"))
     # Packaged hosts' root overlays (everything else was mounted in the
     # hosts' own namespaces, gone with their processes).
     for point in _mounts_under(root):
