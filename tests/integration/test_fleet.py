@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import memstat, thinvm_cli, wait_for
+from tests.conftest import assert_only_cluster_clients, memstat, thinvm_cli, wait_for
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate, pki
+from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest import image as guest_image
@@ -140,10 +140,10 @@ def test_image_boots_with_the_dkms_driver(
         # The images QEMU reads are installed outside /root, for anyone to read.
         image = images[kernel]
         assert image.directory.parent == guest_image.IMAGES_DIR, image
-        for path in (image.vmlinuz, image.initrd, image.disk):
+        for path in (image.vmlinuz, image.boot_kernel, image.initrd, image.disk):
             assert path.stat().st_mode & 0o004, path
         dom = ET.fromstring(virsh(h, "dumpxml", name))
-        assert dom.findtext("os/kernel") == str(image.vmlinuz)
+        assert dom.findtext("os/kernel") == str(image.boot_kernel)
         assert dom.findtext("os/initrd") == str(image.initrd)
         client = guest.agent(h, name)
         try:
@@ -455,47 +455,11 @@ def test_ranges_on_the_stock_emulator_is_a_clear_error(
         assert domain_xml(spec)  # still a valid document, only the emulator is wrong
 
 
-def peer_virsh(frm: Host, to: Host, pkipath: Path | None, transport: str = "tls") -> str:
-    """virsh from inside `frm`'s network, as a peer would connect to `to`:
-    its error message, or "" if the connection was accepted."""
-    uri = f"qemu+{transport}://{to.address}/system"
-    if pkipath is not None:
-        uri += f"?pkipath={pkipath}"
-    proc = subprocess.run(
-        ["ip", "netns", "exec", frm.netns, "virsh", "-q", "-c", uri, "hostname"],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
-    return "" if proc.returncode == 0 else proc.stderr.strip() or "failed"
-
-
-def client_pki(d: Path, cacert: Path, cert: Path, key: Path) -> Path:
-    """A client's pkipath directory, as virsh expects it."""
-    d.mkdir()
-    for src, name in ((cacert, "cacert.pem"), (cert, "clientcert.pem"), (key, "clientkey.pem")):
-        (d / name).write_bytes(src.read_bytes())
-    return d
-
-
 def test_hosts_accept_only_clients_with_a_certificate_of_the_cluster_ca(
     fleet: ClusterState, tmp_path: Path
 ) -> None:
-    h1 = fleet.host("h1")
-    cacert = Path(h1.root) / "pki" / "CA" / "cacert.pem"
-    ours = Path(h1.root) / "pki" / "libvirt"
-    member = client_pki(
-        tmp_path / "member", cacert, ours / "clientcert.pem", ours / "private" / "clientkey.pem"
-    )
-    # Trusts the cluster CA (so it would accept the server), but its own
-    # certificate comes from another CA.
-    rogue_ca = pki.make_ca(tmp_path / "rogue-ca")
-    cert, key = tmp_path / "rogue-cert.pem", tmp_path / "rogue-key.pem"
-    pki.issue(rogue_ca, pki.CLIENT_USAGE, h1.address, h1.hostname, cert, key)
-    rogue = client_pki(tmp_path / "rogue", cacert, cert, key)
-    for to in fleet.hosts:
-        assert peer_virsh(h1, to, member) == "", to.name  # the control: a member gets in
-        refused = peer_virsh(h1, to, rogue)
-        assert refused and "certificate" in refused.lower(), (to.name, refused)
-        assert peer_virsh(h1, to, None, transport="tcp"), to.name  # no plain TCP listener
+    pki_dir = Path(fleet.host("h1").root) / "pki"
+    assert_only_cluster_clients(fleet, pki_dir, tmp_path)
 
 
 def balloon_current(h: Host, name: str) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import memstat, thinvm_cli, wait_for
+from tests.conftest import assert_only_cluster_clients, memstat, thinvm_cli, wait_for
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
@@ -220,6 +220,15 @@ def test_packaged_hosts_run_debians_libvirt_and_qemu(packaged: ClusterState) -> 
         assert listed.returncode != 0, listed.stdout
 
 
+def test_packaged_hosts_accept_only_clients_of_the_cluster_ca(
+    packaged: ClusterState, tmp_path: Path
+) -> None:
+    """The TLS listeners the socket units open: a client with a
+    certificate of the cluster CA gets in, one of another CA is refused,
+    and nothing listens on plain TCP."""
+    assert_only_cluster_clients(packaged, packaged.host("h1").rootfs / "etc/pki", tmp_path)
+
+
 def test_rolling_upgrade_of_three_hosts_then_purge(
     packaged: ClusterState, image: guest_image.DiskImage
 ) -> None:
@@ -323,7 +332,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
     spec = DomainSpec(
         name=name,
         emulator=emulator.PACKAGED_THINVM,
-        kernel=image.vmlinuz,
+        kernel=image.boot_kernel,
         initrd=image.initrd,
         disk=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.qcow2",
         # A pty console, as Nova's domains have (console_log None).
@@ -381,11 +390,11 @@ def guest_cgroups_hold(h: Host, name: str) -> None:
     machine.slice, in every hierarchy (none in the machine's or another
     host's), and <memtune> and <cputune> set there take effect."""
     pid = guest.qemu_pid(h, name)
-    scope = "/machine.slice/machine-qemu"
+    below = f"/thinvm/{h.netns}/machine.slice/machine-qemu"
     paths = {}
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        assert path.startswith(f"/thinvm/{h.netns}{scope}"), line
+        assert path.startswith(below), line
         paths[controllers] = path
     assert {"memory", "cpu", "cpuacct", "blkio", "pids", "devices"} <= set(paths), paths
     # Live, as `virsh memtune` and `virsh schedinfo` are used on a running

@@ -747,9 +747,10 @@ def kill_daemon(name: str, root: Path | None = None) -> int:
     running.  Returns the pid killed."""
     root = root or cluster_dir()
     state = load_state(root)
-    _refuse_on_systemd(state.host(name))
+    h = state.host(name)
+    _refuse_on_systemd(h)
     pid = state.pids.get(name, 0)
-    if not (pid and _alive(pid) and _is_libvirtd(pid)):
+    if not (pid and _alive(pid) and _is_host_daemon(h, pid)):
         raise ThinvmError(f"libvirtd of {name} is not running")
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
@@ -777,7 +778,7 @@ def restart_daemon(name: str, root: Path | None = None) -> int:
     h = state.host(name)
     _refuse_on_systemd(h)
     old = state.pids.get(name, 0)
-    if old and _alive(old) and _is_libvirtd(old):
+    if old and _alive(old) and _is_host_daemon(h, old):
         raise ThinvmError(f"libvirtd of {name} is running (pid {old})")
     state.pids[name] = _start_daemon(h)
     _save_state(root, state)
@@ -931,24 +932,22 @@ def down(root: Path | None = None) -> list[str]:
         for h in state.hosts:
             if h.socket.exists():
                 _destroy_domains(h)
-        # A systemd host's init takes its whole PID namespace with it.
+        # By pid, before the namespaces: each systemd host's init (its PID
+        # namespace goes with it) and a libvirtd that lost its network
+        # namespace (a crash between steps); the sweep below stops the rest.
+        namespaces = set(our_namespaces(root))
         for h in state.hosts:
             pid = state.pids.get(h.name, 0)
-            if h.systemd and pid and _alive(pid) and _is_host_daemon(h, pid):
+            stray = h.systemd or h.netns not in namespaces
+            if stray and pid and _alive(pid) and _is_host_daemon(h, pid):
                 os.kill(pid, signal.SIGKILL)
+                removed.append(f"{_daemon_name(h)} of {h.name}")
     for ns in our_namespaces(root):
         left = _kill_all(ns)
         if left:
             raise ThinvmError(f"{left} processes in namespace {ns} survived SIGKILL")
         _run(["ip", "netns", "del", ns], f"ip netns del {ns}")
         removed.append(ns)
-    # Daemons that lost their namespace (a crash between steps) by pid.
-    if state:
-        for h in state.hosts:
-            pid = state.pids.get(h.name, 0)
-            if pid and _alive(pid) and _is_host_daemon(h, pid):
-                os.kill(pid, signal.SIGKILL)
-                removed.append(f"{_daemon_name(h)} of {h.name}")
     # systemd hosts' cgroups, in every hierarchy (their processes are gone).
     removed += hostcgroups.remove(re.compile(re.escape(ns_prefix(root)) + r"h\d+"))
     # Packaged hosts' root overlays (everything else was mounted in the
@@ -961,12 +960,6 @@ def down(root: Path | None = None) -> list[str]:
         subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=True)
         removed.append(str(root))
     return removed
-
-
-def _is_libvirtd(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return b"libvirtd" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    return False
 
 
 def machine_pid(h: Host, pid: int) -> int:
@@ -989,10 +982,13 @@ def _daemon_name(h: Host) -> str:
 
 
 def _is_host_daemon(h: Host, pid: int) -> bool:
-    if not h.systemd:
-        return _is_libvirtd(pid)
+    """Whether `pid` is still what the cluster started on `h` (its libvirtd,
+    or a systemd host's init), not a reuse of the number."""
     with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == SYSTEMD.encode()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if h.systemd:
+            return cmdline.split(b"\0")[0] == SYSTEMD.encode()
+        return b"libvirtd" in cmdline
     return False
 
 
