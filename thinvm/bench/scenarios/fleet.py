@@ -18,9 +18,10 @@ and QEMU's migration stream).  The `-plain` variants run the same on a
 second cluster with plain TCP (`up --no-tls`), which says what TLS costs
 each stack.
 
-The `pkg-` variants run on package-installed hosts (`cluster up
---packaged`: Debian roots with Debian's libvirt and QEMU 10.0.2 from
-bookworm-backports), four of them: h1 and h2 install thinvm-qemu with apt,
+The `pkg-` variants run on package-installed hosts booted by systemd
+(`cluster up --packaged --systemd`: Debian roots with Debian's libvirt and
+QEMU 10.0.2 from bookworm-backports, libvirtd socket-activated, guests in
+cgroups of their own), four of them: h1 and h2 install thinvm-qemu with apt,
 h3 and h4 keep Debian's QEMU only.  There stock-best is chosen per run
 among the 7 stock configurations of every migration scenario (thinvm's
 row among its 2 options), stock QEMU going h3 -> h4 and thinvm-qemu h1 ->
@@ -69,6 +70,7 @@ class ClusterKind:
     tls: bool = True
     packaged: bool = False
     stock: tuple[str, ...] = ()  # packaged hosts left on Debian's QEMU
+    systemd: bool = False  # packaged hosts booted by systemd, as a server boots
 
 
 CLUSTERS = {
@@ -82,6 +84,7 @@ CLUSTERS = {
     # must fit in 107 bytes, else the agent cannot be reached at all.
     "packaged": ClusterKind(
         Path("/var/lib/thinvm/bench-pkg"), hosts=4, packaged=True, stock=("h3", "h4"),
+        systemd=True,
     ),
 }  # fmt: skip
 # Packaged hosts by the QEMU they run guests on (ClusterKind "packaged").
@@ -179,7 +182,7 @@ class _Clusters:
             kind = CLUSTERS[name]
             self.states[name] = self.stack.enter_context(
                 cluster.running(kind.hosts, link=self.link, stock=kind.stock, root=kind.root,
-                                tls=kind.tls, packaged=kind.packaged)
+                                tls=kind.tls, packaged=kind.packaged, systemd=kind.systemd)
             )  # fmt: skip
         return self.states[name]
 
