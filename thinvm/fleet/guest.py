@@ -64,7 +64,7 @@ def spec_for(
     return DomainSpec(
         name=guest.name,
         emulator=binary or emulator.emulator_path(guest.build),
-        kernel=image.vmlinuz,
+        kernel=image.boot_kernel,
         initrd=image.initrd,
         disk=shared / f"{guest.name}.qcow2",
         cmdline=image.cmdline,

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from thinvm.errors import ThinvmError
+from thinvm.guest import pvh
 from thinvm.guest.agent import AgentClient
 from thinvm.guest.image import (
     GuestImage,
@@ -395,7 +396,8 @@ class VM:
             drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
         hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
         append = " ".join(a for a in (base, "panic=-1", hotplug, cfg.append) if a)
-        kernel = ["-kernel", str(self.image.kernel), "-initrd", str(self.image.initrd)]
+        boot = pvh.kernel_for(self.image.kernel)
+        kernel = ["-kernel", str(boot), "-initrd", str(self.image.initrd)]
         return [*kernel, "-append", append, *drive]
 
     def command_line(self) -> list[str]:
