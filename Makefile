@@ -3,6 +3,8 @@
 CACHE ?= $(HOME)/.cache/thinvm
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python3
+# Extra pytest options, e.g. PYTEST_ARGS=--junitxml=times.xml for every test's time.
+PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint qemu image debs clean-cache
 
@@ -15,7 +17,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check thinvm tests
 	$(PY) -m mypy thinvm
-	$(PY) -m pytest -ra -n 3 --dist loadfile --durations=40 tests
+	$(PY) -m pytest -ra -n 3 --dist loadfile --durations=40 $(PYTEST_ARGS) tests
 
 lint:
 	$(PY) -m ruff check thinvm tests
