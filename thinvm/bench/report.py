@@ -436,8 +436,8 @@ recorded result follows these rules (issue 19):
   (`stock-best = stock-mfd2`). The **thinvm** row is chosen the same way
   from `thinvm-hint` and `thinvm-no-hint`. Per guest size or link the rows
   are named `8G-stock-best`, `veth-thinvm` and so on. migrate-compress,
-  migrate-postcopy, save-restore and migrate-hinting keep fixed
-  configurations, as their descriptions say.
+  migrate-postcopy and save-restore keep fixed configurations, as their
+  descriptions say.
 - **Cost, not only time.** Every migration records the CPU seconds of the
   source and the destination QEMU from just before `migrate` until the
   source completes (source) or the guest runs again (destination), split by

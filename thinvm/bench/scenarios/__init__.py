@@ -20,7 +20,7 @@ from thinvm.bench.scenarios import overcommit, resize, workingset
 from thinvm.bench.scenarios.ballooned import make_migrate_ballooned
 from thinvm.bench.scenarios.density import make_density, make_density_budget
 from thinvm.bench.scenarios.dirty import make_migrate_dirty
-from thinvm.bench.scenarios.idle import make_migrate_hinting, make_migrate_idle, make_network
+from thinvm.bench.scenarios.idle import make_migrate_idle, make_network
 from thinvm.bench.scenarios.inflate import make_inflate
 from thinvm.bench.scenarios.params import check_params
 from thinvm.bench.scenarios.postcopy import make_migrate_postcopy
@@ -81,15 +81,6 @@ SCENARIOS: dict[str, ScenarioSpec] = {
             "migrate-idle",
             "idle guest using 1/8 of its RAM: thinvm vs stock-best",
             make_migrate_idle,
-            "2G",
-            "guest RAM",
-            default_runs=3,
-            params={"idle": "2", "used": "0.125"},
-        ),
-        ScenarioSpec(
-            "migrate-hinting",
-            "does free page hinting pay? migrate-idle with and without it",
-            make_migrate_hinting,
             "2G",
             "guest RAM",
             default_runs=3,

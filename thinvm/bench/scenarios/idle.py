@@ -1,8 +1,9 @@
-"""Idle guests migrating: migrate-idle, migrate-hinting and network."""
+"""Idle guests migrating: migrate-idle and network.  Whether free page
+hinting pays is measured in every migration scenario (its `-hint`
+candidates); the migrate-hinting scenario that asked it alone is retired."""
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from thinvm.bench.scenarios.common import (
@@ -33,7 +34,7 @@ from thinvm.bench.types import (
     Variant,
 )
 from thinvm.units import MiB, format_size
-from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
+from thinvm.vm.stack import Stack
 
 IDLE_SEED = 8
 
@@ -128,56 +129,6 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
                 at_most=1 / 3,
             )
         ],
-    )
-
-
-def make_migrate_hinting(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
-    """migrate-idle's guest with and without free page hinting, on both stacks."""
-    idle = float_param(params, "idle")
-    used = used_bytes(params, size)
-    transport = Transport(opts.net)
-    stacks = [
-        (
-            "stock-best",
-            replace(STOCK_BEST, hint=True),
-            "stock QEMU and driver; hinting + reporting, multifd",
-        ),
-        (
-            "stock-best-no-hinting",
-            STOCK_BEST,
-            "stock QEMU and driver; reporting, multifd",
-        ),
-        (
-            "thinvm",
-            replace(THINVM, hint=True),
-            "patched QEMU, our driver; hinting + reporting + ranges, sparse-ram",
-        ),
-        (
-            "thinvm-no-hinting",
-            THINVM,
-            "patched QEMU, our driver; reporting + ranges, sparse-ram, multifd",
-        ),
-    ]
-    return Scenario(
-        name="migrate-hinting",
-        title="does free page hinting pay? migrate-idle with and without it",
-        description=(
-            f"migrate-idle's guest ({format_size(size)}, {format_size(used)} of data, the "
-            "rest touched, freed and reported) migrated with and without free page hinting, "
-            "on stock-best's stack and on thinvm's. To hint, the guest's driver allocates "
-            "its free pages, and Debian's kernels zero every page they allocate "
-            "(`init_on_alloc=1`): the guest writes its free memory while it migrates, "
-            "which QEMU then has to track (zero pages, dirty syncs). With free page "
-            "reporting the host already got that memory back."
-        ),
-        variants=[
-            Variant(n, idle_migration(opts, size, s, transport, idle, used), text)
-            for n, s, text in stacks
-        ],
-        main_metric="migration_ms",
-        second_metric="zero_pages",
-        params={"size": format_size(size), "used": format_size(used), "idle_s": idle},
-        context=transport.session,
     )
 
 
