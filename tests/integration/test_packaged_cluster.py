@@ -522,8 +522,8 @@ def test_a_systemd_host_boots_systemd_in_its_own_cgroup(tmp_path: Path) -> None:
     assert lines[-2:] == ["export container=thinvm", "exec unshare --cgroup /lib/systemd/systemd"]
     # No udev acting on the machine's devices: /sys is read-only.
     assert f"mount -t sysfs -o ro sysfs {h.rootfs}/sys" in lines
-    cgroup = cluster.host_cgroup(h)
-    assert cgroup.parent == cluster.CGROUP_PARENT and cgroup.name == h.netns
+    cgroup = hostcgroups.host_cgroups(h.netns, ["systemd"])["systemd"]
+    assert cgroup == cluster.CGROUP_V1_SYSTEMD / "thinvm" / h.netns
     # The shell joins the host's cgroup in every hierarchy before it execs
     # systemd, which sees each as that hierarchy's root.
     for name in hierarchies:

@@ -77,11 +77,9 @@ APT_REPO_DIR = "/srv/thinvm-apt"
 APT_SOURCE = f"deb [trusted=yes] file:{APT_REPO_DIR} ./\n"
 APT_LIST = "/etc/apt/sources.list.d/thinvm.list"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# systemd hosts: each gets a cgroup of its own below this one in the
-# machine's name=systemd hierarchy (cgroup v1), which it sees as its root,
-# and the same in every other hierarchy (hostcgroups).
+# systemd hosts need the machine's name=systemd hierarchy (cgroup v1); each
+# gets a cgroup of its own there and in every other hierarchy (hostcgroups).
 CGROUP_V1_SYSTEMD = hostcgroups.CGROUP_ROOT / "systemd"
-CGROUP_PARENT = CGROUP_V1_SYSTEMD / hostcgroups.PARENT
 SYSTEMD = "/lib/systemd/systemd"  # a systemd host's init, in its root
 # libvirtd's listener as Debian's units make it (socket activation); the
 # drop-in binds it to the host's own address.
@@ -379,11 +377,6 @@ def packaged_host_script(
             "exec /usr/sbin/libvirtd --listen",
         ]
     return "\n".join(lines) + "\n"
-
-
-def host_cgroup(host: Host) -> Path:
-    """A systemd host's cgroup in the machine's name=systemd hierarchy."""
-    return CGROUP_PARENT / host.netns
 
 
 def _systemd_sysfs(host: Host, hierarchies: Sequence[str]) -> list[str]:
