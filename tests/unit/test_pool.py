@@ -21,7 +21,7 @@ from thinvm import pool
 from thinvm.host import HostError
 from thinvm.paths import REPO
 from thinvm.pool import Action, Owner, Policy, PoolConfig, PoolState, Pressure, Slot
-from thinvm.units import GiB, MiB
+from thinvm.units import GiB, MiB, parse_size
 from thinvm.vm.machine import VM, VMConfig
 
 # -- the guest pattern, recomputed on the host (guest/agent/mem.c) ----------
@@ -191,6 +191,17 @@ def test_choose_slot_takes_the_smallest_free_slot_that_fits() -> None:
     assert pool.choose_slot(slots, 2 * GiB) == slots[2]
     assert pool.choose_slot(slots, 6 * GiB) == slots[0]
     assert pool.choose_slot(slots, 16 * GiB) is None
+
+
+def test_slots_larger_than_the_host_are_refused(tmp_path: Path) -> None:
+    pool.store.check_fits_host([4 * GiB, 4 * GiB], 8 * GiB)
+    with pytest.raises(pool.PoolError, match="exceed this host's memory"):
+        pool.store.check_fits_host([4 * GiB, 4 * GiB], 8 * GiB - 1)
+    # A bare number is MiB: 67108864 (meant as bytes) asks for 64 TiB.
+    spec = pool.PoolSpec(slots=[parse_size("67108864")])
+    with pytest.raises(pool.PoolError, match="64.00 TiB .* without a unit are MiB"):
+        pool.configure(tmp_path / "pool", spec)
+    assert not pool.Pool(tmp_path / "pool").exists()
 
 
 def test_only_free_slots_are_leased() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinvm.host.hugepages import hugepages_free
+from thinvm.host.memory import host_meminfo
 from thinvm.host.mounts import Mount, mount_of, mounts
 from thinvm.paths import cache_dir
 from thinvm.pool.files import PAGE_SIZE
@@ -186,6 +187,7 @@ def configure(root: str | Path | None, spec: PoolSpec) -> PoolState:
             return state
         if not spec.slots:
             raise PoolError("a new pool needs slots: pass e.g. --slot 4G --count 2")
+        check_fits_host(spec.slots, host_meminfo()["MemTotal"])
         kind, directory, page, mounted = _pick_backing(pool, spec, sum(spec.slots))
         bad = [s for s in spec.slots if s <= 0 or s % page]
         if bad:
@@ -220,6 +222,20 @@ def configure(root: str | Path | None, spec: PoolSpec) -> PoolState:
         state = PoolState(config=config, slots=slots)
         pool._store(state)
         return state
+
+
+def check_fits_host(slots: Sequence[int], memory: int) -> None:
+    """Refuse slots that could never be filled on this host.
+
+    A bare number is MiB (as QEMU's -m), so `--slot 67108864` asks for 64 TiB:
+    the slot files would be created sparse and the pool would never fill them.
+    """
+    total = sum(slots)
+    if total > memory:
+        raise PoolError(
+            f"slots of {format_size(total)} in all exceed this host's memory "
+            f"({format_size(memory)}); sizes without a unit are MiB: write e.g. 4G"
+        )
 
 
 def _apply_policy(policy: Policy, spec: PoolSpec) -> None:
