@@ -65,6 +65,22 @@ def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -
     assert got["steps_done"] == 5 and got["host_swapin_bytes"] == 3 * 4096
 
 
+def test_rereads_count_as_work_and_must_lie_within_what_was_read() -> None:
+    with pytest.raises(ThinvmError, match="more than read"):
+        Workload(2, 640 * MiB, 64 * MiB, 0.5, 4, 8, read=32 * MiB, reread=64 * MiB)
+    shared = Shared()
+    hot = [GuestRun(n, [5.0], True, "", 0, reread_seconds=[1.0, 2.0]) for n in "ab"]
+    free = metrics(Setup(False, False, None), hot, shared, [True, True])
+    # A trim that took the hot files makes the re-reads, so the work, slower.
+    assert shared.reference_work == {2: 8.0} and free["reread_s"] == 3.0
+    trimmed = [GuestRun("a", [5.0], True, "", 0, reread_seconds=[3.0, 2.0], file_refaults=900)]
+    trimmed.append(GuestRun("b", [5.0], True, "", 0, reread_seconds=[1.0, 2.0], file_refaults=0))
+    got = metrics(Setup(True, True, "thinvm"), trimmed, shared, [True, True])
+    assert got["fit_guests"] == 1 and got["file_refaults"] == 900
+    plain = metrics(Setup(True, False, None), [run("c", [1.0])], shared, [True])
+    assert plain["reread_s"] is None and plain["file_refaults"] is None
+
+
 def test_no_reference_no_fit() -> None:
     got = metrics(Setup(True, False, None), [run("a", [10.0])], Shared(), [True])
     assert got["fit_guests"] is None

@@ -55,6 +55,16 @@ class Workload:
     hold: float
     idle: float
     read: int = 0  # read once from the guest's disk each round, bytes
+    # Re-read after every growth step: the first bytes of the disk, which
+    # the first round read (the guest's own hot files), bytes.
+    reread: int = 0
+
+    def __post_init__(self) -> None:
+        if self.reread > self.read:
+            raise ThinvmError(
+                f"reread={format_size(self.reread)} is more than read="
+                f"{format_size(self.read)}: the hot files are part of what the guest read"
+            )
 
     @property
     def disk_size(self) -> int:
@@ -74,10 +84,13 @@ class GuestRun:
     oom_kills: int | None = None
     read_bytes: int = 0
     stall_us: int | None = None  # the guest's PSI memory `some` total at the end
+    reread_seconds: list[float] = field(default_factory=list)
+    file_refaults: int | None = None  # workingset_refault_file at the end
 
     @property
     def work_seconds(self) -> float:
-        return sum(self.step_seconds)
+        """Growth steps and re-reads: both slow down when memory is short."""
+        return sum(self.step_seconds) + sum(self.reread_seconds)
 
 
 def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: threading.Event) -> None:
@@ -94,6 +107,9 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
             for k in range(work.steps):
                 cmd = f"thinvm-mem hold {work.step // MiB} --pidfile /run/ph-{k}.pid"
                 out.step_seconds.append(timed_in_guest(vm, cmd))
+                if work.reread:
+                    hot = guest_workload.read_disk_command(work.reread)
+                    out.reread_seconds.append(timed_in_guest(vm, hot))
                 if stop.wait(work.step_pause):
                     return
             if stop.wait(work.hold):
@@ -139,12 +155,11 @@ def host_swapins() -> int:
     return vmstat_counter(Path("/proc/vmstat").read_text(), "pswpin") or 0
 
 
-def guest_oom_kills(vm: VM) -> int | None:
+def guest_vmstat(vm: VM) -> str | None:
     try:
-        text = vm.agent.check("cat /proc/vmstat", timeout=30).stdout
+        return vm.agent.check("cat /proc/vmstat", timeout=30).stdout
     except ThinvmError:
         return None
-    return vmstat_counter(text, "oom_kill")
 
 
 def swap_used() -> int:
@@ -238,6 +253,7 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
         hold=float(params["hold"]),
         idle=float(params["idle"]),
         read=parse_size(params.get("read", "0")),
+        reread=parse_size(params.get("reread", "0")),
     )
     shared = Shared()
     disk = Path("/var/tmp") / f"thinvm-overcommit-{os.getpid()}.img"
@@ -278,7 +294,10 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                 if controller is not None:
                     controller.backend.close()
             for vm, run in zip(vms, runs, strict=True):
-                run.oom_kills = guest_oom_kills(vm) if vm.alive() else None
+                vmstat = guest_vmstat(vm) if vm.alive() else None
+                if vmstat is not None:
+                    run.oom_kills = vmstat_counter(vmstat, "oom_kill")
+                    run.file_refaults = vmstat_counter(vmstat, "workingset_refault_file")
                 run.stall_us = guest_stall_us(vm) if vm.alive() else None
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
@@ -324,9 +343,23 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             )
             + "grow a working set to "
             f"{format_size(work.wss)} in {format_size(work.step)} steps "
-            f"({work.step_pause:g} s apart), hold it {work.hold:g} s, free it, idle "
+            f"({work.step_pause:g} s apart"
+            + (
+                f", re-reading its hot files, the first {format_size(work.reread)} of "
+                "the disk, after each step"
+                if work.reread
+                else ""
+            )
+            + f"), hold it {work.hold:g} s, free it, idle "
             f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
-            "in the growth steps, timed by the guest's clock (what slows down when "
+            "in the growth steps"
+            + (
+                " and re-reads (`reread_s`; `file_refaults` counts hot pages the guest "
+                "had to read again from its disk)"
+                if work.reread
+                else ""
+            )
+            + ", timed by the guest's clock (what slows down when "
             "the host swaps or the guest "
             f"waits for its balloon); `fit_guests` counts guests that finished with "
             f"no guest or host OOM kill and its own work within {SLOW}x of the "
@@ -364,6 +397,7 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             "guests": guests,
             "sweep": ",".join(map(str, counts)),
             "read": format_size(work.read),
+            "reread": format_size(work.reread),
             "size": format_size(size),
             "budget": format_size(budget),
             "swap": format_size(swap),
@@ -502,12 +536,16 @@ def _metrics(
                 "oom_kills": r.oom_kills,
                 "stall_s": r.stall_us / 1e6 if r.stall_us is not None else None,
                 "read_bytes": r.read_bytes,
+                "reread_s": round(sum(r.reread_seconds), 2),
+                "file_refaults": r.file_refaults,
                 "error": r.error,
             }
             for r in runs
         ],
     )
     stalls = [r.stall_us / 1e6 for r in runs if r.stall_us is not None]
+    rereads = [sum(r.reread_seconds) for r in runs if r.finished and r.reread_seconds]
+    refaults = [r.file_refaults for r in runs if r.file_refaults is not None]
     return {
         "guests": count,
         "fit_guests": fit,
@@ -517,6 +555,10 @@ def _metrics(
         "steps_done": sum(len(r.step_seconds) for r in runs),
         "guest_stall_s": round(statistics.median(stalls), 2) if stalls else None,
         "host_swapin_bytes": swapins * 4096,
+        # The hot files: time re-reading them, and pages that had to come
+        # from the disk again (a trim or the host's pressure took them).
+        "reread_s": round(statistics.median(rereads), 2) if rereads else None,
+        "file_refaults": sum(refaults) if refaults else None,
         "work_s": work,
         "work_max_s": max(works) if works else None,
         "guest_oom_kills": guest_ooms,
