@@ -630,6 +630,7 @@ SPEC: dict[str, Any] = {
         "interval": "1",
         "deadline": "600",
         "read": "0",
+        "reread": "0",
         "sweep": "",
     },
 }
