@@ -282,6 +282,24 @@ def test_a_failing_run_is_recorded_and_the_others_continue() -> None:
     assert summary["broken"] == {}
 
 
+def test_finished_runs_survive_an_interrupted_record(tmp_path: Path) -> None:
+    """A record of an hour stopped in its last run keeps what it measured."""
+
+    def interrupted(ctx: RunContext) -> bench_types.Metrics:
+        raise KeyboardInterrupt
+
+    scenario = _scenario()
+    scenario.variants.append(Variant("interrupted", interrupted))
+    log = tmp_path / "x.runs.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_scenario(scenario, 1, _Quiet(), runs_log=log)  # type: ignore[arg-type]
+    kept = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["variant"], r["run"], r.get("error")) for r in kept] == [
+        ("stock", 1, None),
+        ("fast", 1, None),
+    ]
+
+
 def test_scenario_context_wraps_all_runs() -> None:
     events: list[str] = []
 
@@ -470,6 +488,7 @@ def test_run_writes_json_plot_and_docs(tmp_path: Path, monkeypatch: pytest.Monke
     assert data["environment"]["counter"] == "perf"
     assert data["environment"]["nproc"] >= 1
     assert (results / data["plot"]).is_file()
+    assert not list(results.glob("*.runs.jsonl"))  # the runs are in the result now
     text = docs.read_text()
     assert f"![inflate](../bench/results/{data['plot']})" in text
     # 0.5-2.5 s against 2-10 s over five runs: the ranges overlap.

@@ -3,7 +3,9 @@
 `thinvm bench` lands in main().  A run writes
 bench/results/SCENARIO-<UTC stamp>.json (thinvm.bench.results), a PNG plot
 next to it, and regenerates docs/benchmarks.md from the latest result of
-every scenario (thinvm.bench.report).  The scenarios live in
+every scenario (thinvm.bench.report).  While it runs, each finished run
+is appended to SCENARIO-<stamp>.runs.jsonl beside it, removed once the
+result is written, kept if the record is interrupted.  The scenarios live in
 thinvm.bench.scenarios; host-side probes (syscall counters, network
 namespaces, memory cgroups) in thinvm.bench.probe.
 """
@@ -62,11 +64,14 @@ def run_scenario(
     runs: int,
     line: ProgressLine | None = None,
     gate: QuietGate = RECORD_ONLY,
+    runs_log: Path | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every variant `runs` times, alternately; returns (runs, load record).
 
     Each run waits for the quiet `gate` first (by default it only records
-    what it sees).
+    what it sees).  Each finished run is appended to `runs_log` (JSON
+    lines) at once: a record of an hour that is interrupted keeps what it
+    measured.
     """
     order = alternation_order([v.name for v in scenario.variants], runs)
     by_name = {v.name: v for v in scenario.variants}
@@ -86,6 +91,9 @@ def run_scenario(
             )
             record = _measure(by_name[name], ctx, _wait_quiet(gate, line, head))
             records.append(record)
+            if runs_log is not None:
+                with runs_log.open("a") as log:
+                    log.write(json.dumps(record, default=str) + "\n")
             outcome = f"error: {record['error']}" if record.get("error") else "done"
             line.update(f"{head}: {outcome} in {record['seconds']:.0f} s", force=True)
     load["end"] = _loadavg()
@@ -178,10 +186,20 @@ def run(
     }
     environment["counter"] = probe.counter_backend(options.counter)
     start = time.monotonic()
-    records, load = run_scenario(scenario, runs, line, gate)
+    stem = result_stem(name, created)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    runs_log = results_dir / f"{stem}.runs.jsonl"
+    try:
+        records, load = run_scenario(scenario, runs, line, gate, runs_log)
+    except BaseException:
+        if runs_log.exists():
+            done = len(runs_log.read_text().splitlines())
+            print(f"interrupted: the {done} finished runs are in {runs_log}", file=sys.stderr)
+        raise
     load["gate"] = gate.as_record()
     errors = [r["error"] for r in records if r.get("error")]
     if len(errors) == len(records):
+        runs_log.unlink(missing_ok=True)
         raise ThinvmError(
             f"all {len(records)} runs of {name} failed, nothing written; first error: {errors[0]}"
         )
@@ -194,10 +212,10 @@ def run(
         command=command,
         wall_seconds=time.monotonic() - start,
     )
-    stem = result_stem(name, created)
     result["plot"] = f"{stem}.png"
     validate_result(result)
     path = write_result(result, results_dir, stem)
+    runs_log.unlink(missing_ok=True)
     report.plot_result(result, results_dir / f"{stem}.png")
     if docs is not None:
         regenerate_docs(results_dir, docs, results_dir.parent / "notes.md")
