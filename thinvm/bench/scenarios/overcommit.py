@@ -294,11 +294,13 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                 if controller is not None:
                     controller.backend.close()
             for vm, run in zip(vms, runs, strict=True):
-                vmstat = guest_vmstat(vm) if vm.alive() else None
+                if not vm.alive():
+                    continue  # its counters stay None
+                vmstat = guest_vmstat(vm)
                 if vmstat is not None:
                     run.oom_kills = vmstat_counter(vmstat, "oom_kill")
                     run.file_refaults = vmstat_counter(vmstat, "workingset_refault_file")
-                run.stall_us = guest_stall_us(vm) if vm.alive() else None
+                run.stall_us = guest_stall_us(vm)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
