@@ -42,11 +42,9 @@ def guest_config(name: str, kernel: str = "6.1") -> VMConfig:
 
 
 def oom_kills(vm: VM) -> int:
-    for line in vm.agent.check("cat /proc/vmstat").stdout.splitlines():
-        name, _, value = line.partition(" ")
-        if name == "oom_kill":
-            return int(value)
-    raise AssertionError("guest /proc/vmstat has no oom_kill")
+    counters = workload.vmstat(vm.agent)
+    assert "oom_kill" in counters, "guest /proc/vmstat has no oom_kill"
+    return counters["oom_kill"]
 
 
 def controller(vms: list[VM], host: object | None = None, **kw: object) -> Controller:

@@ -24,13 +24,13 @@ def test_boot_and_agent_round_trip(make_vm: VMFactory) -> None:
 
 
 def test_inflate_returns_memory_to_host_and_deflate_restores(make_vm: VMFactory) -> None:
-    memory = 2 * GiB
+    memory = 1 * GiB
     vm = make_vm(VMConfig(name="inflate", memory=memory))
     # Back every free guest page on the host first, so whatever pages the
     # balloon takes really are resident and must be given back.
     workload.touch_free_memory(vm.agent)
     rss_before = vm.host_memory().rss
-    inflate = 768 * MiB
+    inflate = 384 * MiB
     balloon.set_target(vm, memory - inflate)
     balloon.wait_actual(vm, memory - inflate)
     assert balloon.query(vm).actual == memory - inflate
@@ -58,10 +58,10 @@ def test_statistics_arrive_and_match_the_guest(make_vm: VMFactory) -> None:
 
 def test_free_page_reporting_lowers_host_rss(make_vm: VMFactory) -> None:
     config = VMConfig(
-        name="report", memory=2 * GiB, balloon=BalloonOptions(free_page_reporting=True)
+        name="report", memory=1 * GiB, balloon=BalloonOptions(free_page_reporting=True)
     )
     vm = make_vm(config)
-    touched = 1 * GiB
+    touched = 512 * MiB
     # Hold the memory, measure, then free it: reporting must hand it back.
     pid = vm.agent.check(f"thinvm-mem hold {touched // MiB}").json()["pid"]
     held = vm.host_memory().rss
@@ -77,8 +77,8 @@ def test_free_page_reporting_lowers_host_rss(make_vm: VMFactory) -> None:
 
 def test_without_reporting_freed_memory_stays_on_host(make_vm: VMFactory) -> None:
     """The control for the reporting test: the drop is reporting's doing."""
-    vm = make_vm(VMConfig(name="noreport", memory=2 * GiB))
-    pid = vm.agent.check(f"thinvm-mem hold {1 * GiB // MiB}").json()["pid"]
+    vm = make_vm(VMConfig(name="noreport", memory=1 * GiB))
+    pid = vm.agent.check(f"thinvm-mem hold {512 * MiB // MiB}").json()["pid"]
     held = vm.host_memory().rss
     vm.agent.check(f"kill {pid}")
     time.sleep(5)

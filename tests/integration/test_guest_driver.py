@@ -63,7 +63,7 @@ def test_our_driver_is_the_one_bound(make_vm: VMFactory) -> None:
 
 
 def test_inflate_deflate_counts_rss_and_unload(make_vm: VMFactory) -> None:
-    memory = 2 * GiB
+    memory = 1 * GiB
     vm = make_vm(ours("drv-inflate", memory))
     before = workload.meminfo(vm.agent)
     inflate = 512 * MiB
@@ -123,17 +123,18 @@ def test_deflate_on_oom_lets_the_guest_survive(make_vm: VMFactory) -> None:
 
 
 def test_free_page_reporting_lowers_host_rss(make_vm: VMFactory) -> None:
-    vm = make_vm(ours("drv-report", 2 * GiB, free_page_reporting=True))
-    pid = vm.agent.check(f"thinvm-mem hold {1 * GiB // MiB}").json()["pid"]
+    vm = make_vm(ours("drv-report", 1 * GiB, free_page_reporting=True))
+    touched = 512 * MiB
+    pid = vm.agent.check(f"thinvm-mem hold {touched // MiB}").json()["pid"]
     held = vm.host_memory().rss
     vm.agent.check(f"kill {pid}")
     deadline = time.monotonic() + 60
-    while held - vm.host_memory().rss < 0.75 * GiB and time.monotonic() < deadline:
+    while held - vm.host_memory().rss < 0.75 * touched and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert held - vm.host_memory().rss >= 0.75 * GiB
+    assert held - vm.host_memory().rss >= 0.75 * touched
     c = counters(vm.agent)
     assert c["report_requests"] > 0
-    assert c["report_pages"] * PAGE >= 0.75 * GiB
+    assert c["report_pages"] * PAGE >= 0.75 * touched
 
 
 def _migrate_after_free(make_vm: VMFactory, hint: bool) -> migrate.MigrationResult:
@@ -206,20 +207,20 @@ def test_612_guest_inflates_and_deflates_by_ranges(make_vm: VMFactory) -> None:
 
 def test_ranges_inflate_whole_huge_pages_and_deflate(make_vm: VMFactory) -> None:
     """Our driver + patched QEMU with x-ranges=on (docs/protocol/balloon-ranges.md)."""
-    memory = 2 * GiB
+    memory = 1 * GiB
     config = ours("drv-ranges", memory, ranges=True)
     config.build = "patched"
     vm = make_vm(config)
-    inflate = 1 * GiB
+    inflate = 512 * MiB
     c, dropped = inflate_touched(vm, inflate)
     assert c["inflated_pages"] == inflate // PAGE
     assert c["huge_blocks"] > 0  # the device offered its 2 MiB THP granule
-    assert 0 < c["range_requests"] <= 8  # 1 GiB in a handful of round trips
+    assert 0 < c["range_requests"] <= 8  # 512 MiB in a handful of round trips
     # Every inflate request was a range request: no PFN arrays at all.
     assert c["inflate_requests"] <= c["range_requests"]
     device = "/machine/peripheral/balloon0"
     discards = vm.qmp("qom-get", path=device, property="range-discards")
-    assert 0 < discards <= 512  # per GiB, the issue's bound
+    assert 0 < discards <= 512 * inflate // GiB  # the issue's bound: 512 per GiB
     assert vm.qmp("qom-get", path=device, property="guest-errors") == 0
     assert dropped >= 0.9 * inflate, f"host RSS dropped by only {format_size(dropped)}"
 
@@ -266,7 +267,10 @@ def start_ranges_guest(make_vm: VMFactory, name: str, keep_whole_blocks: bool) -
     config = ours(name, 3 * GiB, ranges=True)
     config.build = "patched"
     # The image loads the driver as virtio_balloon; load it ourselves instead.
-    config.append = "thinvm.nomods=virtio_balloon"
+    # init_on_alloc=0: Debian zeroes every page it allocates, which under TCG
+    # made the huge page counts below a third of this test; movability does
+    # not depend on it.
+    config.append = "thinvm.nomods=virtio_balloon init_on_alloc=0"
     vm = make_vm(config)
     flag = "Y" if keep_whole_blocks else "N"
     vm.agent.check(f"insmod /lib/modules/thinvm/virtio_balloon.ko keep_whole_blocks={flag}")
@@ -288,13 +292,17 @@ def test_ranges_balloon_blocks_stay_movable(make_vm: VMFactory) -> None:
     (review item 8)."""
     vm = start_ranges_guest(make_vm, "drv-movable", keep_whole_blocks=False)
     huge_before = hugepages_granted(vm.agent, 100_000)
-    blocks = offlinable_blocks(vm.agent, 6)
-    assert len(blocks) == 6, blocks
+    # One block (128 MiB): each balloon page an offline moves costs a round
+    # trip to the host under TCG; balloon_migrate shows that they moved.
+    blocks = offlinable_blocks(vm.agent, 1)
+    assert len(blocks) == 1, blocks
 
+    migrated_before = workload.vmstat(vm.agent)["balloon_migrate"]
     c, offlined = inflate_and_offline(vm, blocks)
     assert c["huge_blocks"] > 0  # 2 MiB blocks, each sent as one range
     assert c["whole_blocks_held"] == 0  # none held unmovable
     assert all(offlined), list(zip(blocks, offlined, strict=True))
+    assert workload.vmstat(vm.agent)["balloon_migrate"] > migrated_before
 
     balloon.set_target(vm, 3 * GiB)
     balloon.wait_actual(vm, 3 * GiB)

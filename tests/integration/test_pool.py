@@ -26,6 +26,9 @@ from thinvm.vm import balloon
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 MEMORY = 1 * GiB
+# The leak tests write and scan all of a guest's RAM under TCG: half a GiB
+# shows a leak as well as a whole one, at half the cost.
+LEAK_MEMORY = 512 * MiB
 SEED = 4242
 HUGE = 2 * MiB
 
@@ -70,30 +73,28 @@ def write_pattern_over_most_of_ram(vm: VM, seed: int) -> int:
 def test_next_guest_on_a_scrubbed_slot_sees_nothing_of_the_last(
     kind: str, hugepages_restored: None, make_vm: VMFactory
 ) -> None:
-    with pool.temporary_pool(kind, MEMORY, tag=_tag(f"leak-{kind}")) as p:
-        config = VMConfig(name=f"pool-leak1-{kind}", memory=MEMORY, pool=str(p.root))
+    with pool.temporary_pool(kind, LEAK_MEMORY, tag=_tag(f"leak-{kind}")) as p:
+        config = VMConfig(name=f"pool-leak1-{kind}", memory=LEAK_MEMORY, pool=str(p.root))
         vm1 = make_vm(config)
         assert vm1.pool_lease is not None, vm1.pool_note
         slot = vm1.pool_lease
         written = write_pattern_over_most_of_ram(vm1, SEED)
-        # Controls: the check finds the pattern in the guest, and the data
-        # really is in the slot file the next guest would get.
-        scan1 = kcore_scan(vm1, SEED)
-        assert scan1["matches"] >= written, scan1
+        # The control: the data really is in the slot file the next guest
+        # would get (that the scan finds it there is the next test's control).
         assert pattern_pages(slot.path, SEED) >= written
 
         vm1.shutdown()
-        pool.wait_free(p.root, MEMORY, timeout=300)
-        assert pool.allocated(slot.path) == MEMORY
+        pool.wait_free(p.root, LEAK_MEMORY, timeout=300)
+        assert pool.allocated(slot.path) == LEAK_MEMORY
         assert pattern_pages(slot.path, SEED) == 0
         assert pool.is_zero(slot.path)
 
-        vm2 = make_vm(VMConfig(name=f"pool-leak2-{kind}", memory=MEMORY, pool=str(p.root)))
+        vm2 = make_vm(VMConfig(name=f"pool-leak2-{kind}", memory=LEAK_MEMORY, pool=str(p.root)))
         assert vm2.pool_lease is not None and vm2.pool_lease.path == slot.path
         scan2 = kcore_scan(vm2, SEED)
         assert scan2["matches"] == 0, scan2
         assert scan2["unreadable"] == 0
-        assert scan2["pages_scanned"] >= 0.95 * MEMORY // 4096
+        assert scan2["pages_scanned"] >= 0.95 * LEAK_MEMORY // 4096
 
 
 @pytest.mark.guest
@@ -109,11 +110,11 @@ def test_without_scrubbing_the_next_guest_would_see_the_data(
     """
     path = Path(pool.TMPFS_DIR) / f"thinvm-noscrub-{os.getpid()}.mem"
     try:
-        config = VMConfig(name="pool-noscrub1", memory=MEMORY, backend=f"file:{path}")
+        config = VMConfig(name="pool-noscrub1", memory=LEAK_MEMORY, backend=f"file:{path}")
         vm1 = make_vm(config)
         written = write_pattern_over_most_of_ram(vm1, SEED)
         vm1.shutdown()
-        vm2 = make_vm(VMConfig(name="pool-noscrub2", memory=MEMORY, backend=f"file:{path}"))
+        vm2 = make_vm(VMConfig(name="pool-noscrub2", memory=LEAK_MEMORY, backend=f"file:{path}"))
         scan = kcore_scan(vm2, SEED)
         assert scan["matches"] >= written // 2, (scan, written)
     finally:

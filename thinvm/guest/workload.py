@@ -27,6 +27,16 @@ def meminfo(agent: AgentClient) -> dict[str, int]:
     return parse_meminfo(agent.check("cat /proc/meminfo").stdout)
 
 
+def vmstat(agent: AgentClient) -> dict[str, int]:
+    """The guest's /proc/vmstat counters by name."""
+    counters = {}
+    for line in agent.check("cat /proc/vmstat").stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            counters[name] = int(value)
+    return counters
+
+
 def touch(agent: AgentClient, size: int) -> dict[str, Any]:
     """Fault in `size` bytes of anonymous memory in the guest, then free it."""
     result: dict[str, Any] = agent.check(f"thinvm-mem touch {size // MiB}").json()
