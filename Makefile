@@ -17,7 +17,7 @@ demo: setup
 test: setup
 	$(PY) -m ruff check thinvm tests
 	$(PY) -m mypy thinvm
-	$(PY) -m pytest -ra -n 3 --dist loadfile --durations=40 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -ra -n 3 --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS) tests
 
 lint:
 	$(PY) -m ruff check thinvm tests
