@@ -75,6 +75,11 @@ DISK_FILE = "disk.qcow2"  # a disk guest's overlay, in its run directory
 # costs a module load and unload per run, and before our driver packed its
 # queue list (guest/balloon, 2026-11-25) that rmmod died on 6.12.
 NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
+# Kernel arguments every guest this process starts gets before its own
+# (VMConfig.append wins).  The test suite sets init_on_alloc=0: Debian's
+# kernels zero each page they allocate, which under TCG was ~30% of a
+# guest's boot and of its memory work, and which no test is about.
+GUEST_APPEND_ENV = "THINVM_GUEST_APPEND"
 INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
 PR_SET_PDEATHSIG = 1
 
@@ -395,7 +400,9 @@ class VM:
             # a migration run on this host and share its page cache.
             drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
         hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
-        append = " ".join(a for a in (base, "panic=-1", hotplug, cfg.append) if a)
+        # Before the config's own arguments, so that those win.
+        process_wide = os.environ.get(GUEST_APPEND_ENV, "")
+        append = " ".join(a for a in (base, "panic=-1", hotplug, process_wide, cfg.append) if a)
         boot = pvh.kernel_for(self.image.kernel)
         kernel = ["-kernel", str(boot), "-initrd", str(self.image.initrd)]
         return [*kernel, "-append", append, *drive]
