@@ -267,10 +267,7 @@ def start_ranges_guest(make_vm: VMFactory, name: str, keep_whole_blocks: bool) -
     config = ours(name, 3 * GiB, ranges=True)
     config.build = "patched"
     # The image loads the driver as virtio_balloon; load it ourselves instead.
-    # init_on_alloc=0: Debian zeroes every page it allocates, which under TCG
-    # made the huge page counts below a third of this test; movability does
-    # not depend on it.
-    config.append = "thinvm.nomods=virtio_balloon init_on_alloc=0"
+    config.append = "thinvm.nomods=virtio_balloon"
     vm = make_vm(config)
     flag = "Y" if keep_whole_blocks else "N"
     vm.agent.check(f"insmod /lib/modules/thinvm/virtio_balloon.ko keep_whole_blocks={flag}")

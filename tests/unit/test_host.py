@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from thinvm.host import cgroups, pressure, procs
+from thinvm.host.memory import parse_vmstat
 from thinvm.host.mounts import Mount, containing_mount, parse_mounts, unescape
 from thinvm.host.pressure import Psi, parse_psi, read_cgroup_psi, read_psi
 
@@ -183,3 +184,9 @@ def test_cgroup_usage_v1_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert usage == cgroups.CgroupUsage(str(mem / "g"), 4096, 65536, 2, 1.5, 8192)
     cgroups.set_cgroup_limit("g", 32768)
     assert (mem / "g" / "memory.limit_in_bytes").read_text() == "32768"
+
+
+def test_parse_vmstat_reads_counters_by_name() -> None:
+    text = "nr_free_pages 1234\noom_kill 2\nworkingset_refault_file 99\nbroken\n"
+    counters = parse_vmstat(text)
+    assert counters == {"nr_free_pages": 1234, "oom_kill": 2, "workingset_refault_file": 99}

@@ -7,7 +7,6 @@ top of the installed image: every host sees the same path, so live
 migration needs no storage copy.
 """
 
-import os
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from thinvm.guest.image import DiskImage, create_overlay, guest_info
 from thinvm.guest.trim import TrimResult, trim_guest
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB
-from thinvm.vm.machine import GUEST_APPEND_ENV
+from thinvm.vm.machine import with_process_wide_args
 
 BOOT_TIMEOUT = 180.0
 
@@ -69,8 +68,7 @@ def spec_for(
         kernel=image.boot_kernel,
         initrd=image.initrd,
         disk=shared / f"{guest.name}.qcow2",
-        # What every guest of this process gets (thinvm.vm.machine), too.
-        cmdline=" ".join(a for a in (image.cmdline, os.environ.get(GUEST_APPEND_ENV, "")) if a),
+        cmdline=with_process_wide_args(image.cmdline),
         memory=guest.memory,
         console_log=shared / f"{guest.name}.console.log",
         ranges=thinvm,

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.guest.agent import AgentClient
-from thinvm.host.memory import parse_meminfo
+from thinvm.host.memory import parse_meminfo, parse_vmstat
 from thinvm.units import MiB
 
 PATTERN_PATH = "/dev/shm/thinvm-pattern"
@@ -29,12 +29,7 @@ def meminfo(agent: AgentClient) -> dict[str, int]:
 
 def vmstat(agent: AgentClient) -> dict[str, int]:
     """The guest's /proc/vmstat counters by name."""
-    counters = {}
-    for line in agent.check("cat /proc/vmstat").stdout.splitlines():
-        name, _, value = line.partition(" ")
-        if value.strip().lstrip("-").isdigit():
-            counters[name] = int(value)
-    return counters
+    return parse_vmstat(agent.check("cat /proc/vmstat").stdout)
 
 
 def touch(agent: AgentClient, size: int) -> dict[str, Any]:

@@ -47,6 +47,16 @@ def host_meminfo() -> dict[str, int]:
     return parse_meminfo(Path("/proc/meminfo").read_text())
 
 
+def parse_vmstat(text: str) -> dict[str, int]:
+    """Parse /proc/vmstat text (host's or a guest's) into counters by name."""
+    counters: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            counters[name] = int(value)
+    return counters
+
+
 def parse_meminfo(text: str) -> dict[str, int]:
     """Parse meminfo text (host's or a guest's) into bytes per field."""
     values: dict[str, int] = {}

@@ -80,6 +80,13 @@ NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
 # kernels zero each page they allocate, which under TCG was ~30% of a
 # guest's boot and of its memory work, and which no test is about.
 GUEST_APPEND_ENV = "THINVM_GUEST_APPEND"
+
+
+def with_process_wide_args(cmdline: str) -> str:
+    """`cmdline` after the kernel arguments of GUEST_APPEND_ENV, if any."""
+    return " ".join(a for a in (os.environ.get(GUEST_APPEND_ENV, ""), cmdline) if a)
+
+
 INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
 PR_SET_PDEATHSIG = 1
 
@@ -400,9 +407,9 @@ class VM:
             # a migration run on this host and share its page cache.
             drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
         hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
-        # Before the config's own arguments, so that those win.
-        process_wide = os.environ.get(GUEST_APPEND_ENV, "")
-        append = " ".join(a for a in (base, "panic=-1", hotplug, process_wide, cfg.append) if a)
+        fixed = " ".join(a for a in (base, "panic=-1", hotplug) if a)
+        # The process-wide arguments go before the config's own, so that those win.
+        append = " ".join(a for a in (fixed, with_process_wide_args(cfg.append)) if a)
         boot = pvh.kernel_for(self.image.kernel)
         kernel = ["-kernel", str(boot), "-initrd", str(self.image.initrd)]
         return [*kernel, "-append", append, *drive]

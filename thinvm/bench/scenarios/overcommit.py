@@ -36,7 +36,7 @@ from thinvm.bench.scenarios.common import timed_in_guest
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload as guest_workload
-from thinvm.host.memory import host_meminfo
+from thinvm.host.memory import host_meminfo, parse_vmstat
 from thinvm.units import MiB, format_size, parse_size
 from thinvm.vm.machine import VM, VMConfig
 
@@ -142,17 +142,8 @@ def guest_stall_us(vm: VM) -> int | None:
     return None
 
 
-def vmstat_counter(text: str, name: str) -> int | None:
-    """One counter of a /proc/vmstat text; None if the kernel has none."""
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == name:
-            return int(value)
-    return None
-
-
 def host_swapins() -> int:
-    return vmstat_counter(Path("/proc/vmstat").read_text(), "pswpin") or 0
+    return parse_vmstat(Path("/proc/vmstat").read_text()).get("pswpin", 0)
 
 
 def guest_vmstat(vm: VM) -> str | None:
@@ -298,8 +289,9 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                     continue  # its counters stay None
                 vmstat = guest_vmstat(vm)
                 if vmstat is not None:
-                    run.oom_kills = vmstat_counter(vmstat, "oom_kill")
-                    run.file_refaults = vmstat_counter(vmstat, "workingset_refault_file")
+                    counters = parse_vmstat(vmstat)
+                    run.oom_kills = counters.get("oom_kill")
+                    run.file_refaults = counters.get("workingset_refault_file")
                 run.stall_us = guest_stall_us(vm)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
