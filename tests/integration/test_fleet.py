@@ -499,10 +499,11 @@ def test_balance_controller_drives_a_libvirt_domain(
             "balance", "run", "--connect", h1.uri, "--vm", name,
             "--cycles", "8", "--interval", "2", "--state", str(state), timeout=300,
         )  # fmt: skip
+        print(run.stdout + run.stderr)
         assert run.returncode == 0, run.stderr
         assert f"{name}: set 320.00 MiB -> " in run.stdout + run.stderr, run.stdout + run.stderr
         vm = json.loads(state.read_text())["vms"][name]
-        assert vm["target"] < 320 * MiB, vm
+        assert vm["target"] < 320 * MiB, (vm, run.stdout + run.stderr)
         # libvirt reports what the guest's driver really holds.
         wait_for(lambda: abs(memstat(h1, name)["actual"] * 1024 - vm["target"]) <= MiB, "target")
         status = thinvm_cli("balance", "status", "--state", str(state))

@@ -44,7 +44,7 @@ class FakeBackend:
                 name,
                 1 * GiB,
                 actual,
-                GuestStats(age=0.5, total=1 * GiB, free=actual - 200 * MiB, available=actual),
+                GuestStats(age=0.0, total=1 * GiB, free=actual - 200 * MiB, available=actual),
                 held=self.held.get(name),
                 reporting=self.reporting,
                 reclaimer=self.reclaimer,
@@ -301,7 +301,7 @@ class FakeVirtioMemBackend(FakeBackend):
     def sample(self) -> list[VmSample]:
         device = VirtioMem(BASE, self.plugged, self.plugged, 2 * MiB, VMEM)
         actual = BASE + self.plugged
-        stats = GuestStats(age=0.5, total=actual, free=actual - 150 * MiB, available=actual)
+        stats = GuestStats(age=0.0, total=actual, free=actual - 150 * MiB, available=actual)
         return [
             VmSample("v", BASE + VMEM, actual, stats, held=self.held.get("v"),
                      levers=(Lever.BALLOON, Lever.VIRTIO_MEM), virtio_mem=device)

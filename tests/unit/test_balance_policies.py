@@ -138,13 +138,49 @@ def test_idle_guest_shrinks_only_after_calm_seconds_and_by_at_most_one_step() ->
     states: dict[str, VmState] = {}
     targets = []
     calm = policy.cycles(policy.params.calm_seconds, 2.0)  # 3 cycles of 2 s
-    for cycle in range(calm + 1):
+    # The first report (1 s old) may predate a balloon move the controller
+    # did not see; the second is the baseline calm counts from.
+    for cycle in range(calm + 2):
         plan = run(policy, [sample], states=states, cycle=cycle)
         states = plan.states
         targets.append(plan.decisions[0].target)
-    assert targets[:-1] == [None] * calm  # hysteresis: not calm long enough
+    assert targets[:-1] == [None] * (calm + 1)  # hysteresis: not calm long enough
     assert targets[-1] == 1 * GiB - policy.params.inflate_step  # inflate slowly
     assert "step cap" in plan.decisions[0].reason
+
+
+def test_a_report_from_before_the_balloon_moved_is_not_growth() -> None:
+    """Seen with libvirt: ballooned 512 -> 320 MiB just before the
+    controller started, its first report still counted the free memory
+    the balloon then took; the next one, 190 MiB less free, looked like
+    190 MiB of growth and the guest was deflated to 446 MiB."""
+    policy = ThinvmPolicy()
+    guest = dict(name="a", actual=320 * MiB)
+    before = vm(st=stats(free=355 * MiB, age=1.5), **guest)  # type: ignore[arg-type]
+    after = vm(st=stats(free=164 * MiB, age=0.5), **guest)  # type: ignore[arg-type]
+    states: dict[str, VmState] = {}
+    decisions = []
+    for cycle, sample in enumerate([before, after, after, after, after, after]):
+        plan = run(policy, [sample], states=states, cycle=cycle)
+        states = plan.states
+        decisions.append(plan.decisions[0])
+    assert "predate the balloon's last move" in decisions[0].reason
+    assert states["a"].peak_growth == 0
+    grown = [d.target for d in decisions if d.target is not None and d.target > 320 * MiB]
+    assert not grown, decisions
+    # Calm from the first current report on, it shrinks by its free memory
+    # beyond the headroom.
+    assert [d.target for d in decisions if d.target is not None] == [278 * MiB], decisions
+
+
+def test_the_balloon_moving_under_a_late_report_is_no_ground_to_shrink() -> None:
+    policy = ThinvmPolicy()
+    states = {"a": VmState(last_actual=1 * GiB, last_used=200 * MiB, calm_cycles=10)}
+    # Inflated by 300 MiB since the last cycle; the report, 1 s old, still
+    # shows the free memory the balloon has since taken.
+    plan = run(policy, [vm(actual=724 * MiB, st=stats(free=800 * MiB))], states=states)
+    assert plan.decisions[0].target is None, plan.decisions[0]
+    assert plan.states["a"].last_used == 200 * MiB  # the last current baseline stays
 
 
 def test_no_shrinking_soon_after_a_grow() -> None:

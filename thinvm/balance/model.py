@@ -225,6 +225,7 @@ class VmState:
 
     target: int | None = None  # the last target we set
     last_actual: int | None = None
+    actual_steady_s: float = 0.0  # how long `actual` has stayed at last_actual, as seen
     last_used: int | None = None
     counters: dict[str, int] = field(default_factory=dict)
     stuck_cycles: int = 0  # cycles the target was not followed

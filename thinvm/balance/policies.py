@@ -268,7 +268,7 @@ class ThinvmPolicy:
         stats = vm.stats
         if stats is None or stats.age > self.stale_after(inputs.interval):
             age = "missing" if stats is None else f"{stats.age:.0f} s old"
-            state = state.but(calm_cycles=0, last_actual=vm.actual)
+            state = state.but(calm_cycles=0, last_actual=vm.actual, actual_steady_s=0.0)
             give_back = min(limits.ceiling, vm.actual + self._headroom(vm, 0))
             return _Want(vm, limits, state, give_back, f"stats {age}: never shrink; give back")
         assert stats.free is not None
@@ -276,8 +276,16 @@ class ThinvmPolicy:
             k: v - state.counters[k] for k, v in stats.counters().items() if k in state.counters
         }
         bumped = {k: d for k, d in deltas.items() if d > 0}
+        # `actual` is the balloon now, the statistics are the guest's last
+        # report (up to a stats period old): a report sent before the
+        # balloon reached its size counts free memory the balloon has since
+        # taken or given.  Such a report says nothing about growth (seen:
+        # a guest just ballooned 512 -> 320 MiB looked as if it had grown
+        # by 190 MiB and was deflated) and is no ground for shrinking.
+        steady = 0.0 if vm.actual != state.last_actual else state.actual_steady_s + inputs.interval
+        report_current = stats.age <= steady
         used = vm.actual - stats.free
-        growth = used - state.last_used if state.last_used is not None else 0
+        growth = used - state.last_used if report_current and state.last_used is not None else 0
         # A guest that grew in a burst may grow as much again: remember the
         # largest recent burst, forgetting it with a half-life.
         decay = 0.5 ** (inputs.interval / p.growth_half_life)
@@ -287,11 +295,15 @@ class ThinvmPolicy:
         tight = available < self._headroom(vm, 0) // 2
         busy = growth > p.dead_band
         known = state.last_used is not None  # a first sample says nothing about trends
-        calm = state.calm_cycles + 1 if known and not (bumped or tight or busy) else 0
+        if bumped or tight or busy or (report_current and not known):
+            calm = 0
+        else:
+            calm = state.calm_cycles + 1 if report_current else state.calm_cycles
         state = state.but(
             counters=stats.counters(),
-            last_used=used,
+            last_used=used if report_current else state.last_used,
             last_actual=vm.actual,
+            actual_steady_s=steady,
             calm_cycles=calm,
             peak_growth=peak,
         )
@@ -312,7 +324,9 @@ class ThinvmPolicy:
         kind = "available" if host.pressure else "free"
         reason = f"guest {kind} {_mib(spare)}, keeps {_mib(headroom)} headroom"
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
-        may_shrink = calm_enough and inputs.cycle >= state.cooldown_until
+        may_shrink = report_current and calm_enough and inputs.cycle >= state.cooldown_until
+        if not report_current:
+            reason = f"{reason}; stats {stats.age:.0f} s old predate the balloon's last move"
         if vm.reporting and p.leave_reported_free and (self._trims(vm) or not host.pressure):
             # Free page reporting already gives the host the guest's free
             # memory, and the guest's reclaimer its cold memory; a balloon
