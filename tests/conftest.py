@@ -26,31 +26,32 @@ os.environ.setdefault(pvh.ENV, "1")
 os.environ.setdefault(GUEST_APPEND_ENV, "init_on_alloc=0")
 
 # Seconds each module's tests took on a warm clean-clone run (2026-11-26,
-# junit times), heaviest first.  `make test` runs pytest-xdist with
+# junit times, the lower of two runs: the other rebuilt an image),
+# heaviest first.  `make test` runs pytest-xdist with
 # --dist loadfile --no-loadscope-reorder, which hands out whole modules in
 # collection order; xdist's own order (most tests first) left the heavy
 # modules with few tests for last, and one worker ran on ~95 s after the
 # others had finished.  Modules not listed (quick unit tests) go last.
 MODULE_SECONDS = {
-    "tests/integration/test_fleet.py": 632,
-    "tests/integration/test_guest_driver.py": 483,
-    "tests/integration/test_sparse_migration.py": 367,
-    "tests/integration/test_pool.py": 319,
-    "tests/integration/test_balance.py": 306,
-    "tests/integration/test_packaged_cluster.py": 257,
-    "tests/integration/test_bench.py": 242,
-    "tests/integration/test_resize.py": 207,
-    "tests/unit/test_qtests_sparse_discard_files.py": 157,
-    "tests/integration/test_trim.py": 153,
-    "tests/integration/test_readme.py": 120,
-    "tests/integration/test_guest.py": 119,
-    "tests/unit/test_qtests_postcopy.py": 71,
-    "tests/integration/test_packages.py": 46,
-    "tests/unit/test_qtests_precopy.py": 39,
-    "tests/integration/test_cli.py": 36,
-    "tests/integration/test_migration.py": 32,
-    "tests/integration/test_downtime.py": 29,
-    "tests/unit/test_qemu_patches.py": 24,
+    "tests/integration/test_fleet.py": 602,
+    "tests/integration/test_sparse_migration.py": 375,
+    "tests/integration/test_balance.py": 261,
+    "tests/unit/test_qtests_sparse_discard_files.py": 247,
+    "tests/integration/test_guest_driver.py": 233,
+    "tests/integration/test_packaged_cluster.py": 229,
+    "tests/integration/test_bench.py": 207,
+    "tests/integration/test_pool.py": 203,
+    "tests/integration/test_resize.py": 161,
+    "tests/integration/test_trim.py": 123,
+    "tests/unit/test_qtests_postcopy.py": 86,
+    "tests/integration/test_readme.py": 71,
+    "tests/integration/test_guest.py": 71,
+    "tests/integration/test_packages.py": 65,
+    "tests/unit/test_qtests_precopy.py": 46,
+    "tests/integration/test_cli.py": 45,
+    "tests/integration/test_migration.py": 30,
+    "tests/integration/test_downtime.py": 27,
+    "tests/unit/test_qemu_patches.py": 18,
 }
 
 

@@ -295,10 +295,12 @@ class ThinvmPolicy:
         tight = available < self._headroom(vm, 0) // 2
         busy = growth > p.dead_band
         known = state.last_used is not None  # a first sample says nothing about trends
-        if bumped or tight or busy or (report_current and not known):
+        if bumped or tight or busy:
             calm = 0
+        elif not report_current:
+            calm = state.calm_cycles  # a late report shows neither calm nor growth
         else:
-            calm = state.calm_cycles + 1 if report_current else state.calm_cycles
+            calm = state.calm_cycles + 1 if known else 0
         state = state.but(
             counters=stats.counters(),
             last_used=used if report_current else state.last_used,
