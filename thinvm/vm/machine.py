@@ -80,15 +80,13 @@ NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
 # kernels zero each page they allocate, which under TCG was ~30% of a
 # guest's boot and of its memory work, and which no test is about.
 GUEST_APPEND_ENV = "THINVM_GUEST_APPEND"
+INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
+PR_SET_PDEATHSIG = 1
 
 
 def with_process_wide_args(cmdline: str) -> str:
     """`cmdline` after the kernel arguments of GUEST_APPEND_ENV, if any."""
     return " ".join(a for a in (os.environ.get(GUEST_APPEND_ENV, ""), cmdline) if a)
-
-
-INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
