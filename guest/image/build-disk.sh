@@ -17,7 +17,8 @@
 #
 # Cached under $THINVM_CACHE/disk/<kernel>-<inputs>; an image whose
 # inputs (these scripts, the agent and driver sources and packaging, the
-# kernel package version) did not change is not rebuilt.  Downloaded .debs are
+# kernel package version) did not change is not rebuilt, and the image built
+# before the newest is kept as well (prune_older).  Downloaded .debs are
 # kept in $THINVM_CACHE/debs/disk, so a rebuild does not download again.
 # The last line on stdout is the image directory: disk.qcow2, vmlinuz,
 # initrd.img, image.json.  Progress goes to stderr.
@@ -201,6 +202,22 @@ write_json() {
 		"$(basename "$tmp"/stage/thinvm-balloon-dkms_*_all.deb)" "$hash" >"$tmp/image.json"
 }
 
+# Keep the new image and the one built before it; older ones are stale.
+# Two callers whose apt lists differ by a Debian kernel upload (a checkout
+# refreshed them today, another not yet) then each find their own image,
+# instead of rebuilding it in turn (~3 min each) for as long as both run.
+prune_older() {
+	local keep=$1 d kept=
+	for d in $(ls -dt "$cache/disk/$kernel"-* | grep -v -e '\.tmp$'); do
+		[ "$d" = "$keep" ] && continue
+		if [ -z "$kept" ]; then
+			kept=$d
+		else
+			rm -rf "$d"
+		fi
+	done
+}
+
 main() {
 	local start=$SECONDS d
 	"$apt" update || log "warning: apt update failed, using the lists as they are"
@@ -227,10 +244,7 @@ main() {
 	mv "$tmp/image.json" "$out.tmp/image.json"
 	mv "$out.tmp" "$out"
 	ln -sfn "$(basename "$out")" "$cache/disk/$kernel"
-	# Older images of this kernel series are stale now.
-	for d in "$cache/disk/$kernel"-*; do
-		[ "$d" = "$out" ] || rm -rf "$d"
-	done
+	prune_older "$out"
 	log "built $out in $((SECONDS - start)) s ($(du -h "$out/disk.qcow2" | cut -f1) qcow2)"
 	echo "$out"
 }
