@@ -25,33 +25,33 @@ os.environ.setdefault(pvh.ENV, "1")
 # the benchmarks keep Debian's default.
 os.environ.setdefault(GUEST_APPEND_ENV, "init_on_alloc=0")
 
-# Seconds each module's tests took on a warm clean-clone run (2026-11-26,
-# junit times, the lower of two runs: the other rebuilt an image),
-# heaviest first.  `make test` runs pytest-xdist with
+# Seconds each module's tests took in a warm `make test` (2026-11-26,
+# junit times, after the qtests' quadratic reads were fixed), heaviest
+# first.  `make test` runs pytest-xdist with
 # --dist loadfile --no-loadscope-reorder, which hands out whole modules in
 # collection order; xdist's own order (most tests first) left the heavy
 # modules with few tests for last, and one worker ran on ~95 s after the
 # others had finished.  Modules not listed (quick unit tests) go last.
 MODULE_SECONDS = {
-    "tests/integration/test_fleet.py": 602,
-    "tests/integration/test_sparse_migration.py": 375,
-    "tests/integration/test_balance.py": 261,
-    "tests/unit/test_qtests_sparse_discard_files.py": 247,
-    "tests/integration/test_guest_driver.py": 233,
-    "tests/integration/test_packaged_cluster.py": 229,
-    "tests/integration/test_bench.py": 207,
-    "tests/integration/test_pool.py": 203,
-    "tests/integration/test_resize.py": 161,
-    "tests/integration/test_trim.py": 123,
-    "tests/unit/test_qtests_postcopy.py": 86,
-    "tests/integration/test_readme.py": 71,
-    "tests/integration/test_guest.py": 71,
-    "tests/integration/test_packages.py": 65,
-    "tests/unit/test_qtests_precopy.py": 46,
-    "tests/integration/test_cli.py": 45,
-    "tests/integration/test_migration.py": 30,
-    "tests/integration/test_downtime.py": 27,
-    "tests/unit/test_qemu_patches.py": 18,
+    "tests/integration/test_fleet.py": 400,
+    "tests/integration/test_sparse_migration.py": 334,
+    "tests/integration/test_balance.py": 259,
+    "tests/integration/test_guest_driver.py": 200,
+    "tests/integration/test_bench.py": 196,
+    "tests/integration/test_packaged_cluster.py": 186,
+    "tests/integration/test_pool.py": 173,
+    "tests/integration/test_trim.py": 149,
+    "tests/integration/test_resize.py": 141,
+    "tests/integration/test_readme.py": 87,
+    "tests/unit/test_qtests_sparse_discard_files.py": 68,
+    "tests/integration/test_guest.py": 60,
+    "tests/integration/test_packages.py": 52,
+    "tests/unit/test_qtests_postcopy.py": 37,
+    "tests/integration/test_cli.py": 36,
+    "tests/unit/test_qtests_precopy.py": 34,
+    "tests/integration/test_downtime.py": 28,
+    "tests/integration/test_migration.py": 21,
+    "tests/unit/test_qemu_patches.py": 19,
 }
 
 
