@@ -4,8 +4,11 @@ from typing import Any
 
 import pytest
 
+from thinvm.balance.daemon import CycleReport
+from thinvm.balance.model import Decision, HostSample, Reclaimer, VmSample
 from thinvm.bench.scenarios.overcommit import (
     GuestRun,
+    Levers,
     Setup,
     Shared,
     Workload,
@@ -101,3 +104,24 @@ def test_sweep_fit_is_the_most_guests_that_all_fit() -> None:
     assert got["fit_guests"] == 4 and got["guests_tried"] == 5
     none_fit = {3: {"fit_guests": 1}}
     assert _sweep_metrics(Setup(True, False, None), none_fit)["fit_guests"] == 1
+
+
+def test_levers_count_trims_holds_and_keep_the_last_reclaimer_counters() -> None:
+    host = HostSample(total=4096 * MiB, available=1024 * MiB)
+
+    def report(trim: int | None, reason: str, reclaimed: int, refaults: int) -> CycleReport:
+        rec = Reclaimer(True, True, reclaimed_bytes=reclaimed, refault_pages=refaults)
+        sample = VmSample("a", 1024 * MiB, 1024 * MiB, None, reporting=True, reclaimer=rec)
+        return CycleReport(1, host, [sample], [Decision("a", None, reason, trim=trim)], 0)
+
+    levers = Levers()
+    levers.add(report(256 * MiB, "hold; host short: trim 256 MiB", 300 * MiB, 100))
+    levers.add(report(None, "hold; trims held 30 s: guest refaulted 8.00 MiB", 500 * MiB, 2148))
+    levers.add(report(None, "hold", 500 * MiB, 2148))
+    assert levers.metrics() == {
+        "trim_requests": 1,
+        "trim_requested_bytes": 256 * MiB,
+        "trims_held": 1,
+        "reclaimed_bytes": 500 * MiB,
+        "reclaimer_refault_pages": 2148,
+    }

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.balance.backends import CgroupBudget, ThinvmBackend
-from thinvm.balance.daemon import Controller
-from thinvm.balance.model import VmLimits
+from thinvm.balance.daemon import Controller, CycleReport
+from thinvm.balance.model import Reclaimer, VmLimits
 from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
 from thinvm.bench.scenarios.common import timed_in_guest
@@ -272,12 +272,13 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                 for i, vm in enumerate(vms)
             ]
             controller = _controller(setup, vms, cgroup, interval)
+            levers = Levers()
             sampler = Sampler(cgroup, swap_before)
             for thread in threads:
                 thread.start()
             started = time.monotonic()
             try:
-                _drive(controller, sampler, threads, started + deadline, ctx, runs)
+                _drive(controller, levers, sampler, threads, started + deadline, ctx, runs)
             finally:
                 stop.set()
                 for thread in threads:
@@ -297,8 +298,21 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
         swapins = host_swapins() - swapins_before
-        return _metrics(
-            setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, shared, swapins
+        return (
+            _metrics(
+                setup,
+                count,
+                runs,
+                alive,
+                host_ooms,
+                peak,
+                sampler,
+                controller,
+                ctx,
+                shared,
+                swapins,
+            )
+            | levers.metrics()
         )
 
     def measure(setup: Setup, ctx: RunContext) -> Metrics:
@@ -464,8 +478,43 @@ def _controller(
     )
 
 
+@dataclass
+class Levers:
+    """What the controller did besides the balloon, from its cycle reports:
+    where a guest's refaulted pages came from is otherwise a guess."""
+
+    trims: int = 0
+    trim_bytes: int = 0  # asked for; the guest takes what is above its floor
+    trims_held: int = 0  # cycles a trim was held off because the guest refaulted
+    reclaimers: dict[str, Reclaimer] = field(default_factory=dict)  # last counters
+
+    def add(self, report: CycleReport) -> None:
+        for decision in report.decisions:
+            if decision.trim:
+                self.trims += 1
+                self.trim_bytes += decision.trim
+            if "trims held" in decision.reason:
+                self.trims_held += 1
+        for sample in report.samples:
+            if sample.reclaimer is not None:
+                self.reclaimers[sample.name] = sample.reclaimer
+
+    def metrics(self) -> Metrics:
+        last = self.reclaimers.values()
+        return {
+            "trim_requests": self.trims,
+            "trim_requested_bytes": self.trim_bytes,
+            "trims_held": self.trims_held,
+            # The guests' reclaimers, background and trims together; refaults
+            # are those seen while a reclaimer ran.
+            "reclaimed_bytes": sum(r.reclaimed_bytes for r in last),
+            "reclaimer_refault_pages": sum(r.refault_pages for r in last),
+        }
+
+
 def _drive(
     controller: Controller | None,
+    levers: Levers,
     sampler: Sampler,
     threads: list[threading.Thread],
     deadline: float,
@@ -482,7 +531,7 @@ def _drive(
         sampler.maybe_sample()
         if controller is not None and now >= next_cycle:
             with contextlib.suppress(ThinvmError, OSError):
-                controller.step()
+                levers.add(controller.step())
             next_cycle = now + controller.interval
         done = sum(len(r.step_seconds) for r in runs)
         ctx.step(
