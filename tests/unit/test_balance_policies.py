@@ -644,6 +644,20 @@ def test_under_pressure_a_calm_trimming_guest_is_asked_to_trim_its_cold_cache_no
     assert plan.decisions[0].trim is None
 
 
+def test_host_driven_trims_are_spaced_by_what_reporting_needs() -> None:
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states={"a": calm}, cycle=10)
+    assert plan.decisions[0].trim == policy.params.trim_step
+    # 10 s at 2 s cycles: not again before cycle 15, though the host is still short.
+    for cycle in (11, 14):
+        plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states=plan.states,
+                   cycle=cycle)  # fmt: skip
+        assert plan.decisions[0].trim is None, cycle
+    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states=plan.states, cycle=15)
+    assert plan.decisions[0].trim == policy.params.trim_step
+
+
 def refaulting_guest(refault_pages: int) -> VmSample:
     return cached_guest(replace(RECLAIMER_ON, refault_pages=refault_pages))
 
@@ -682,7 +696,7 @@ def test_refault_strikes_are_forgotten_after_a_calm_spell() -> None:
     assert plan.states["a"].trim_strikes == 0
     assert plan.decisions[0].trim == policy.params.trim_step
     # An agent that restarted (its counter went down) is no refault.
-    plan = run(policy, [refaulting_guest(10)], host=PRESSED, states=plan.states, cycle=131)
+    plan = run(policy, [refaulting_guest(10)], host=PRESSED, states=plan.states, cycle=136)
     assert plan.decisions[0].trim == policy.params.trim_step
 
 

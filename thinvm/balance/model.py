@@ -239,6 +239,7 @@ class VmState:
     trim_strikes: int = 0  # trims held in a row because the guest refaulted
     trim_hold_until: int = 0  # no host-driven trim before this cycle
     last_refault_cycle: int = 0
+    next_trim_cycle: int = 0  # host-driven trims are spaced (trim_spacing_seconds)
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
