@@ -106,7 +106,7 @@ def test_sweep_fit_is_the_most_guests_that_all_fit() -> None:
     assert _sweep_metrics(Setup(True, False, None), none_fit)["fit_guests"] == 1
 
 
-def test_levers_count_trims_holds_and_keep_the_last_reclaimer_counters() -> None:
+def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
     host = HostSample(total=4096 * MiB, available=1024 * MiB)
 
     def report(trim: int | None, reason: str, reclaimed: int, refaults: int) -> CycleReport:
@@ -116,12 +116,11 @@ def test_levers_count_trims_holds_and_keep_the_last_reclaimer_counters() -> None
 
     levers = Levers()
     levers.add(report(256 * MiB, "hold; host short: trim 256 MiB", 300 * MiB, 100))
-    levers.add(report(None, "hold; trims held 30 s: guest refaulted 8.00 MiB", 500 * MiB, 2148))
+    levers.add(report(None, "hold", 500 * MiB, 2148))
     levers.add(report(None, "hold", 500 * MiB, 2148))
     assert levers.metrics() == {
         "trim_requests": 1,
         "trim_requested_bytes": 256 * MiB,
-        "trims_held": 1,
         "reclaimed_bytes": 500 * MiB,
         "reclaimer_refault_pages": 2148,
     }

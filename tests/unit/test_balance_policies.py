@@ -644,62 +644,6 @@ def test_under_pressure_a_calm_trimming_guest_is_asked_to_trim_its_cold_cache_no
     assert plan.decisions[0].trim is None
 
 
-def test_host_driven_trims_are_spaced_by_what_reporting_needs() -> None:
-    policy = ThinvmPolicy()
-    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
-    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states={"a": calm}, cycle=10)
-    assert plan.decisions[0].trim == policy.params.trim_step
-    # 10 s at 2 s cycles: not again before cycle 15, though the host is still short.
-    for cycle in (11, 14):
-        plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states=plan.states,
-                   cycle=cycle)  # fmt: skip
-        assert plan.decisions[0].trim is None, cycle
-    plan = run(policy, [cached_guest(RECLAIMER_ON)], host=PRESSED, states=plan.states, cycle=15)
-    assert plan.decisions[0].trim == policy.params.trim_step
-
-
-def refaulting_guest(refault_pages: int) -> VmSample:
-    return cached_guest(replace(RECLAIMER_ON, refault_pages=refault_pages))
-
-
-def test_a_guest_that_refaults_is_not_trimmed_again_for_a_while() -> None:
-    """Refaults mean the trims reached the working set (TMO's feedback):
-    host-driven trims stop for 30 s, 60 s on the next strike in a row."""
-    policy = ThinvmPolicy()
-    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
-    plan = run(policy, [refaulting_guest(1000)], host=PRESSED, states={"a": calm}, cycle=10)
-    assert plan.decisions[0].trim == policy.params.trim_step  # first sight: nothing to compare
-    # 8 MiB of its pages came back since: the cache it keeps is hot.
-    plan = run(policy, [refaulting_guest(3048)], host=PRESSED, states=plan.states, cycle=11)
-    decision, state = plan.decisions[0], plan.states["a"]
-    assert decision.trim is None and "trims held 30 s: guest refaulted 8.00 MiB" in decision.reason
-    assert state.trim_hold_until == 11 + 15 and state.trim_strikes == 1  # 2 s cycles
-    # No new refaults, still held.
-    plan = run(policy, [refaulting_guest(3048)], host=PRESSED, states=plan.states, cycle=20)
-    assert plan.decisions[0].trim is None and "held until cycle 26" in plan.decisions[0].reason
-    # The hold ended: trims again; refaulting again doubles the next hold.
-    plan = run(policy, [refaulting_guest(3048)], host=PRESSED, states=plan.states, cycle=26)
-    assert plan.decisions[0].trim == policy.params.trim_step
-    plan = run(policy, [refaulting_guest(6000)], host=PRESSED, states=plan.states, cycle=27)
-    assert "trims held 60 s" in plan.decisions[0].reason
-    assert plan.states["a"].trim_strikes == 2
-
-
-def test_refault_strikes_are_forgotten_after_a_calm_spell() -> None:
-    policy = ThinvmPolicy()
-    held = VmState(
-        calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB,
-        refault_pages=5000, trim_strikes=3, trim_hold_until=40, last_refault_cycle=10,
-    )  # fmt: skip
-    # 240 s (120 cycles) after the last refault, and a few below the limit.
-    plan = run(policy, [refaulting_guest(5100)], host=PRESSED, states={"a": held}, cycle=130)
-    assert plan.states["a"].trim_strikes == 0
-    assert plan.decisions[0].trim == policy.params.trim_step
-    # An agent that restarted (its counter went down) is no refault.
-    plan = run(policy, [refaulting_guest(10)], host=PRESSED, states=plan.states, cycle=136)
-    assert plan.decisions[0].trim == policy.params.trim_step
-
-
 def test_a_stalling_guests_cache_is_not_trimmed() -> None:
     policy = ThinvmPolicy()
     st = stats(free=100 * MiB, available=700 * MiB, caches=600 * MiB, alloc_stalls=9)

@@ -235,11 +235,6 @@ class VmState:
     cooldown_until: int = 0  # no shrinking before this cycle
     history: tuple[tuple[int, int], ...] = ()  # (actual, free) samples, oldest first
     working_set: int | None = None  # estimate: what the guest uses and would refault
-    refault_pages: int | None = None  # the reclaimer's refault counter, last cycle
-    trim_strikes: int = 0  # trims held in a row because the guest refaulted
-    trim_hold_until: int = 0  # no host-driven trim before this cycle
-    last_refault_cycle: int = 0
-    next_trim_cycle: int = 0  # host-driven trims are spaced (trim_spacing_seconds)
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:

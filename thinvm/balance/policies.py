@@ -30,8 +30,6 @@ from thinvm.balance.model import (
 )
 from thinvm.units import MiB, format_size
 
-PAGE = 4096  # the unit of the guest's refault counters
-
 
 @dataclass(frozen=True)
 class Inputs:
@@ -104,20 +102,6 @@ class ThinvmParams:
     # about 1 % of the guest's memory a second, too slow for a squeeze.
     trim_step: int = 256 * MiB
     trim_min: int = 16 * MiB  # less cold cache than this is not worth a request
-    # TMO's feedback: pages the guest evicted and then read back mean the
-    # trims reached its working set.  Refaults above this between two
-    # cycles hold host-driven trims off for trim_hold_seconds, doubling
-    # with each hold in a row up to trim_hold_max_seconds; that long
-    # without refaults forgets the strikes.  (Measured in `overcommit` with
-    # guests re-reading 64 MiB of hot files: trims of 256 MiB a cycle
-    # evicted the hot set again and again, 50-100k refaulted pages a run.)
-    trim_refault_limit: int = 2 * MiB
-    # One host-driven trim per guest at most this often: reporting needs a
-    # few seconds to hand back what a trim freed, and until then the host
-    # still looks short (a probe asked four guests for 8.4 GiB in 40 s).
-    trim_spacing_seconds: float = 10.0
-    trim_hold_seconds: float = 30.0
-    trim_hold_max_seconds: float = 240.0
 
 
 @dataclass(frozen=True)
@@ -200,14 +184,8 @@ class ThinvmPolicy:
                     reclaim=reclaim[want.vm.name],
                     reason=f"{decision.reason}; trim first: guest reclaimer on",
                 )
-            state, held = self._refault_hold(want.vm, state, inputs)
-            spaced = inputs.cycle < state.next_trim_cycle
-            trim_now = 0 if held or spaced else self._trim_now(want, host)
-            if held and host.pressure:
-                decision = replace(decision, reason=f"{decision.reason}; {held}")
+            trim_now = self._trim_now(want, host)
             if trim_now:
-                spacing = self.cycles(self.params.trim_spacing_seconds, inputs.interval)
-                state = state.but(next_trim_cycle=inputs.cycle + spacing)
                 decision = replace(
                     decision,
                     trim=trim_now,
@@ -233,32 +211,6 @@ class ThinvmPolicy:
             return None
         assert vm.reclaimer is not None
         return None if vm.reclaimer.background else True
-
-    def _refault_hold(self, vm: VmSample, state: VmState, inputs: Inputs) -> tuple[VmState, str]:
-        """The VM's state with this cycle's refaults counted, and why
-        host-driven trims are held off ("" if they are not)."""
-        rec, p = vm.reclaimer, self.params
-        if rec is None:
-            return state, ""
-        last, cycle = state.refault_pages, inputs.cycle
-        state = state.but(refault_pages=rec.refault_pages)
-        # A counter that went down is a restarted agent: nothing to compare.
-        grew = rec.refault_pages - last if last is not None and rec.refault_pages >= last else 0
-        if grew * PAGE > p.trim_refault_limit:
-            strikes = state.trim_strikes + 1
-            hold = min(p.trim_hold_max_seconds, p.trim_hold_seconds * 2 ** (strikes - 1))
-            state = state.but(
-                trim_strikes=strikes,
-                trim_hold_until=cycle + self.cycles(hold, inputs.interval),
-                last_refault_cycle=cycle,
-            )
-            return state, f"trims held {hold:.0f} s: guest refaulted {_mib(grew * PAGE)}"
-        calm_for = self.cycles(p.trim_hold_max_seconds, inputs.interval)
-        if state.trim_strikes and cycle - state.last_refault_cycle >= calm_for:
-            state = state.but(trim_strikes=0)
-        if cycle < state.trim_hold_until:
-            return state, f"trims held until cycle {state.trim_hold_until}: guest refaulted"
-        return state, ""
 
     def _trim_now(self, want: _Want, host: _HostView) -> int:
         """Bytes to trim at once: under host pressure, from a calm trimming

@@ -485,7 +485,6 @@ class Levers:
 
     trims: int = 0
     trim_bytes: int = 0  # asked for; the guest takes what is above its floor
-    trims_held: int = 0  # cycles a trim was held off because the guest refaulted
     reclaimers: dict[str, Reclaimer] = field(default_factory=dict)  # last counters
 
     def add(self, report: CycleReport) -> None:
@@ -493,8 +492,6 @@ class Levers:
             if decision.trim:
                 self.trims += 1
                 self.trim_bytes += decision.trim
-            if "trims held" in decision.reason:
-                self.trims_held += 1
         for sample in report.samples:
             if sample.reclaimer is not None:
                 self.reclaimers[sample.name] = sample.reclaimer
@@ -504,7 +501,6 @@ class Levers:
         return {
             "trim_requests": self.trims,
             "trim_requested_bytes": self.trim_bytes,
-            "trims_held": self.trims_held,
             # The guests' reclaimers, background and trims together; refaults
             # are those seen while a reclaimer ran.
             "reclaimed_bytes": sum(r.reclaimed_bytes for r in last),
