@@ -42,6 +42,7 @@ from thinvm.vm.machine import VM, VMConfig
 
 FLOOR = 256 * MiB
 SLOW = 1.2  # a guest whose work took longer than this x unconstrained did not "fit"
+CONTROLLER_LOG_LINES = 400  # the controller's last actions kept in a run's record
 
 
 @dataclass
@@ -271,7 +272,8 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                 )
                 for i, vm in enumerate(vms)
             ]
-            controller = _controller(setup, vms, cgroup, interval)
+            log: list[str] = []
+            controller = _controller(setup, vms, cgroup, interval, log)
             levers = Levers()
             sampler = Sampler(cgroup, swap_before)
             for thread in threads:
@@ -285,6 +287,10 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                     thread.join(timeout=30)
                 if controller is not None:
                     controller.backend.close()
+            if controller is not None:
+                # What it did and why (targets set, trims, reclaimers
+                # switched): which guest the balloon took from, and when.
+                ctx.note("controller_log", log[-CONTROLLER_LOG_LINES:])
             for vm, run in zip(vms, runs, strict=True):
                 if not vm.alive():
                     continue  # its counters stay None
@@ -459,7 +465,7 @@ def _sweep_metrics(setup: Setup, per_count: dict[int, Metrics]) -> Metrics:
 
 
 def _controller(
-    setup: Setup, vms: list[VM], cgroup: MemoryCgroup, interval: float
+    setup: Setup, vms: list[VM], cgroup: MemoryCgroup, interval: float, log: list[str]
 ) -> Controller | None:
     if setup.policy is None:
         return None
@@ -474,7 +480,7 @@ def _controller(
         policy,
         interval=interval,
         default_limits=lambda memory: VmLimits(FLOOR, memory),
-        log=lambda _line: None,
+        log=log.append,
     )
 
 
