@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,7 +273,8 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                 )
                 for i, vm in enumerate(vms)
             ]
-            log: list[str] = []
+            # Its last actions only: a long run logs a line per action.
+            log: deque[str] = deque(maxlen=CONTROLLER_LOG_LINES)
             controller = _controller(setup, vms, cgroup, interval, log)
             levers = Levers()
             sampler = Sampler(cgroup, swap_before)
@@ -290,7 +292,7 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             if controller is not None:
                 # What it did and why (targets set, trims, reclaimers
                 # switched): which guest the balloon took from, and when.
-                ctx.note("controller_log", log[-CONTROLLER_LOG_LINES:])
+                ctx.note("controller_log", list(log))
             for vm, run in zip(vms, runs, strict=True):
                 if not vm.alive():
                     continue  # its counters stay None
@@ -304,22 +306,10 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
         swapins = host_swapins() - swapins_before
-        return (
-            _metrics(
-                setup,
-                count,
-                runs,
-                alive,
-                host_ooms,
-                peak,
-                sampler,
-                controller,
-                ctx,
-                shared,
-                swapins,
-            )
-            | levers.metrics()
+        metrics = _metrics(
+            setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, shared, swapins
         )
+        return {**metrics, **levers.metrics()}
 
     def measure(setup: Setup, ctx: RunContext) -> Metrics:
         """One guest count, or the sweep: more guests until one does not fit."""
@@ -465,7 +455,7 @@ def _sweep_metrics(setup: Setup, per_count: dict[int, Metrics]) -> Metrics:
 
 
 def _controller(
-    setup: Setup, vms: list[VM], cgroup: MemoryCgroup, interval: float, log: list[str]
+    setup: Setup, vms: list[VM], cgroup: MemoryCgroup, interval: float, log: deque[str]
 ) -> Controller | None:
     if setup.policy is None:
         return None
