@@ -51,6 +51,10 @@ class HeldByOperator(ThinvmError):
     """An operator set the VM's target after the cycle sampled it: not changed."""
 
 
+class VmGone(ThinvmError):
+    """The VM stopped or migrated away after the cycle sampled it."""
+
+
 class VmBackend(Protocol):
     name: str
 
@@ -327,11 +331,11 @@ class ThinvmBackend:
             for machine in self._given:
                 if machine.config.name == name and machine.alive():
                     return func(machine)
-            raise ThinvmError(f"VM {name!r} is gone")
+            raise VmGone(f"VM {name!r} is gone")
         with registry.name_lock(name):
             machine = self._attach(name)
             if machine is None:
-                raise ThinvmError(f"VM {name!r} is gone")
+                raise VmGone(f"VM {name!r} is gone")
             return func(machine)
 
     def set_target(self, vm: str, target: int) -> None:

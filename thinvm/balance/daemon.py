@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend
+from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend, VmGone
 from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
 from thinvm.balance.policies import Inputs, Policy
 from thinvm.errors import ThinvmError
@@ -228,6 +228,11 @@ class Controller:
             return
         try:
             self.backend.set_target(decision.vm, decision.target)
+        except VmGone as exc:
+            # Stopped or migrated since the sample (`thinvm down`,
+            # `migrate`): nothing to manage, and not a failure.
+            self.log(f"{where}: not set {change}: {exc}")
+            return
         except HeldByOperator as exc:
             # Not a failure: the operator's target stands, as it will next cycle.
             self.states[decision.vm] = self.states[decision.vm].but(
