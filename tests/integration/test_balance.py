@@ -295,7 +295,8 @@ def detached_vms() -> Iterator[list[VM]]:
 
 def start_controller(names: list[str], state: Path, log: Path) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "thinvm.cli", "balance", "run", "--interval", "1"]
-    args += ["--state", str(state), "--floor", "256M"]
+    # --verbose: a failure's log tail then says why each cycle held.
+    args += ["--state", str(state), "--floor", "256M", "--verbose"]
     for name in names:
         args += ["--vm", name]
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
@@ -392,17 +393,26 @@ def test_killed_controller_leaves_valid_targets_and_a_restart_resumes(
     try:
         wait_for_line(log, "resumed at cycle", 30, after=before)
         wait_for_line(log, "re-sent", 5, after=before)
-        deadline = time.monotonic() + 120
+        # ~15 s when the host is quiet; a loaded CI host delays the guests'
+        # statistics, and the policy shrinks only on current ones.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             time.sleep(1)
             vms = load_status(state)["vms"]
             if all(vms[name]["actual"] <= 450 * MiB for name in names):
                 break
         else:
-            raise AssertionError("the restarted controller did not carry on shrinking")
+            actual = {name: format_size(vms[name]["actual"]) for name in names}
+            tail = log.read_text()[before:][-3000:]
+            raise AssertionError(
+                f"the restarted controller did not carry on shrinking: {actual}\n{tail}"
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+    # SIGTERM ends the loop between cycles, without a traceback.
+    stopped = log.read_text()[before:]
+    assert "balance: stopped by SIGTERM" in stopped and "Traceback" not in stopped, stopped[-3000:]
     status = load_status(state)
     assert status["cycle"] > saved["cycle"]
     for vm in detached_vms:

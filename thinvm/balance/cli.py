@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -78,8 +79,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{' (dry run: no targets are set)' if args.dry_run else ''}; "
         f"state {controller.state_path}"
     )
-    controller.run(cycles=args.cycles)
+    stop = _StopOnSignal()
+    controller.run(cycles=args.cycles, stop=stop)
+    if stop.signum is not None:
+        name = signal.Signals(stop.signum).name
+        _log(f"balance: stopped by {name} after cycle {controller.cycle - 1}")
     return 0
+
+
+class _StopOnSignal:
+    """SIGTERM, SIGINT or SIGHUP ends the loop between cycles.
+
+    The process-wide handler raises SystemExit wherever the signal lands,
+    often inside a QMP exchange, which left a traceback in the log of every
+    stop and could cut a cycle between saving a target and sending it.  A
+    second signal still exits at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signum is not None:
+            raise SystemExit(128 + signum)
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
