@@ -1,14 +1,18 @@
 """The balance loop with a fake backend; the libvirt backend's parsing."""
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from thinvm.balance.backends import (
+    TRIM_FLOOR_SECONDS,
     LibvirtBackend,
     ThinvmBackend,
+    cache_floor_of,
     domain_sample,
     migrating_from_jobinfo,
     parse_domstats,
@@ -400,3 +404,32 @@ def test_thinvm_backend_gives_back_a_balloon_left_inside_the_base() -> None:
     qemu.operator_target = 300 * MiB
     (sample,) = backend.sample()
     assert sample.held == 300 * MiB
+
+
+# -- what a trim could not take ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reply", "floor"),
+    [
+        ({"stop": "timeout", "floor_bytes": 80 * MiB, "cache_after": 300 * MiB}, 80 * MiB),
+        ({"stop": "max_bytes", "floor_bytes": 80 * MiB, "cache_after": 300 * MiB}, 80 * MiB),
+        ({"stop": "floor", "floor_bytes": 80 * MiB, "cache_after": 81 * MiB}, 81 * MiB),
+        ({"stop": "refaults", "floor_bytes": 80 * MiB, "cache_after": 150 * MiB}, 150 * MiB),
+        ({"stop": "no_progress", "floor_bytes": 80 * MiB, "cache_after": 120 * MiB}, 120 * MiB),
+        ({"stop": "error"}, 0),
+    ],
+)
+def test_a_trim_says_which_cache_is_hot(reply: dict[str, object], floor: int) -> None:
+    assert cache_floor_of(reply) == floor
+
+
+def test_the_cache_floor_of_a_trim_holds_for_a_while() -> None:
+    backend = ThinvmBackend(vms=[])
+    guest = SimpleNamespace(config=SimpleNamespace(name="a"))
+    now = time.monotonic()
+    backend._reclaimers["a"] = (now, Reclaimer(available=True, background=True))
+    backend._cache_floors["a"] = (now, 150 * MiB)
+    assert backend._reclaimer_of(guest).cache_floor == 150 * MiB  # type: ignore[union-attr]
+    backend._cache_floors["a"] = (now - TRIM_FLOOR_SECONDS - 1, 150 * MiB)
+    assert backend._reclaimer_of(guest).cache_floor == 0  # type: ignore[union-attr]

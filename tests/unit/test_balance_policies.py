@@ -644,6 +644,21 @@ def test_under_pressure_a_calm_trimming_guest_is_asked_to_trim_its_cold_cache_no
     assert plan.decisions[0].trim is None
 
 
+def test_cache_a_trim_could_not_take_is_hot_and_not_asked_for_again() -> None:
+    """A guest whose hot cache sits above the floor the balloon statistics
+    allow for was asked to trim 23 MiB every second for a minute."""
+    policy = ThinvmPolicy()
+    calm = VmState(calm_cycles=10, last_used=924 * MiB, last_actual=1 * GiB)
+    stopped = replace(RECLAIMER_ON, cache_floor=590 * MiB)  # of the 600 MiB cached
+    plan = run(policy, [cached_guest(stopped)], host=PRESSED, states={"a": calm})
+    assert plan.decisions[0].trim is None
+    assert plan.states["a"].working_set == (924 - 10) * MiB
+    # Cache read since then is cold again: only that much is asked for.
+    partly = replace(RECLAIMER_ON, cache_floor=400 * MiB)
+    plan = run(policy, [cached_guest(partly)], host=PRESSED, states={"a": calm})
+    assert plan.decisions[0].trim == 200 * MiB
+
+
 def test_a_stalling_guests_cache_is_not_trimmed() -> None:
     policy = ThinvmPolicy()
     st = stats(free=100 * MiB, available=700 * MiB, caches=600 * MiB, alloc_stalls=9)

@@ -11,7 +11,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -42,9 +42,30 @@ RECLAIMER_TIMEOUT = 5.0
 # A controller-driven trim holds the guest's agent (which serves one
 # request at a time) this long at most, plus its compaction.
 TRIM_SECONDS = 2.0
+# How long what a trim could not take counts as hot: the guest's working
+# set moves, and an older floor would keep its new cold cache from the host.
+TRIM_FLOOR_SECONDS = 60.0
+# Why a trim stopped short of its bytes, when what it left is hot.
+TRIM_STOPS_AT_HOT = ("floor", "refaults", "pressure", "no_progress")
 MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
 MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 T = TypeVar("T")
+
+
+def cache_floor_of(trim_reply: dict[str, Any]) -> int:
+    """The page cache a trim found it could not take (bytes).
+
+    Always the agent's floor, which counts the active file list; when the
+    trim stopped at that floor, on refaults, on pressure or for lack of
+    progress, all it left.  Stopped by its time or bytes, it says nothing
+    about the rest.  Without this the controller, seeing only the balloon
+    statistics' page cache, asked a guest holding 87 MiB of hot cache to
+    trim 23 MiB every second for a minute (overcommit probe, 2026-11-26).
+    """
+    floor = int(trim_reply.get("floor_bytes", 0) or 0)
+    if trim_reply.get("stop") in TRIM_STOPS_AT_HOT:
+        floor = max(floor, int(trim_reply.get("cache_after", 0) or 0))
+    return floor
 
 
 class HeldByOperator(ThinvmError):
@@ -211,6 +232,8 @@ class ThinvmBackend:
         # name -> (when read, the reclaimer or None if the agent has none)
         self._reclaimers: dict[str, tuple[float, Reclaimer | None]] = {}
         self._trims: dict[str, threading.Thread] = {}  # in flight
+        # name -> (when the last trim answered, the cache it could not take)
+        self._cache_floors: dict[str, tuple[float, int]] = {}
 
     def _managed(self) -> list[str]:
         # A VM mid-switchover is missing from the listing for a moment:
@@ -299,10 +322,18 @@ class ThinvmBackend:
             host_rss=mem.rss,
             reporting=config.balloon.enabled and config.balloon.free_page_reporting,
             held=held,
-            reclaimer=self._reclaimer(vm) if config.balloon.free_page_reporting else None,
+            reclaimer=self._reclaimer_of(vm) if config.balloon.free_page_reporting else None,
             levers=tuple(levers),
             virtio_mem=vmem,
         )
+
+    def _reclaimer_of(self, vm: Any) -> Reclaimer | None:
+        """The reclaimer, with the cache floor its last trim (if recent) found."""
+        known = self._reclaimer(vm)
+        answered, floor = self._cache_floors.get(vm.config.name, (0.0, 0))
+        if known is None or time.monotonic() - answered > TRIM_FLOOR_SECONDS:
+            return known
+        return replace(known, cache_floor=floor)
 
     def _reclaimer(self, vm: Any) -> Reclaimer | None:
         """The guest reclaimer's counters, read at most every refresh period.
@@ -382,6 +413,7 @@ class ThinvmBackend:
             got = int(reply.get("reclaimed_bytes_trim", 0))
             self.log(f"{vm}: trimmed {format_size(got)} (stopped: {reply.get('stop', '?')})")
             self._reclaimers[vm] = (time.monotonic(), Reclaimer.from_counters(reply))
+            self._cache_floors[vm] = (time.monotonic(), cache_floor_of(reply))
 
         thread = threading.Thread(target=run, name=f"trim-{vm}", daemon=True)
         self._trims[vm] = thread

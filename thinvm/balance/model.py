@@ -193,6 +193,11 @@ class Reclaimer:
     reclaimed_bytes: int = 0
     backoffs: int = 0  # held back for stalls or refaults: the working set was reached
     refault_pages: int = 0
+    # The page cache a recent trim could not take (the agent's floor, which
+    # counts the active file list the balloon statistics do not carry, or
+    # what was left when refaults, pressure or no progress stopped it); 0
+    # when no trim said so lately.
+    cache_floor: int = 0
 
     @classmethod
     def from_counters(cls, counters: dict[str, Any]) -> "Reclaimer":

@@ -225,12 +225,18 @@ class ThinvmPolicy:
         return min(cold, self.params.trim_step)
 
     def _cold_cache(self, vm: VmSample) -> int:
-        """Page cache above the reclaimer's floor: what a trim could take."""
+        """Page cache above the reclaimer's floor: what a trim could take.
+
+        The floor computed here lacks the active file list (the balloon
+        statistics do not carry it); a recent trim that could go no lower
+        says where the floor really is."""
         stats = vm.stats
         if stats is None or not stats.caches:
             return 0
         total = stats.total or vm.max_memory
         floor = max(self.params.cache_floor_min, int(total * self.params.cache_floor_fraction))
+        if vm.reclaimer is not None:
+            floor = max(floor, vm.reclaimer.cache_floor)
         return max(0, stats.caches - floor)
 
     def working_set(self, vm: VmSample) -> int | None:
