@@ -183,6 +183,40 @@ def test_the_balloon_moving_under_a_late_report_is_no_ground_to_shrink() -> None
     assert plan.states["a"].last_used == 200 * MiB  # the last current baseline stays
 
 
+def test_a_shrunk_guest_keeps_its_headroom_available_not_only_free() -> None:
+    """A 1 GiB guest with THP keeps ~65 MiB of free memory as watermarks:
+    shrunk to 123 MiB free it had 58 MiB available, counted as tight and
+    was deflated again (CI, 2026-11-26: 274 -> 530 -> 786 MiB, then shrunk
+    again, round after round)."""
+    policy = ThinvmPolicy()
+    headroom = policy._headroom(vm(), 0)
+    state = VmState(target=402 * MiB, last_actual=402 * MiB, last_used=151 * MiB, calm_cycles=9)
+    reserve = 65 * MiB
+    guest = vm(actual=402 * MiB, st=stats(free=251 * MiB, available=251 * MiB - reserve))
+    plan = run(policy, [guest], states={"a": state})
+    target = plan.decisions[0].target
+    assert target is not None and target < 402 * MiB
+    available_then = 251 * MiB - reserve - (402 * MiB - target)
+    assert headroom - 2 * MiB <= available_then <= headroom + 2 * MiB  # targets are whole 2 MiB
+    assert "guest available" in plan.decisions[0].reason
+    # There, with the same reserve, the guest is not tight: it stays.
+    free = target - 151 * MiB
+    settled = vm(actual=target, st=stats(free=free, available=free - reserve, age=0.5))
+    states = {"a": plan.states["a"].but(last_actual=target, actual_steady_s=4.0)}
+    plan = run(policy, [settled], states=states, cycle=11)
+    assert plan.decisions[0].target is None, plan.decisions[0].reason
+
+
+def test_a_low_report_from_before_a_deflate_does_not_deflate_again() -> None:
+    policy = ThinvmPolicy()
+    # Deflated 274 -> 530 MiB last cycle for 58 MiB available; this
+    # report is older than that deflate.
+    state = VmState(target=530 * MiB, last_actual=274 * MiB, last_used=151 * MiB)
+    late = vm(actual=530 * MiB, st=stats(free=123 * MiB, available=58 * MiB))
+    plan = run(policy, [late], states={"a": state}, cycle=11)
+    assert plan.decisions[0].target is None, plan.decisions[0].reason
+
+
 def test_no_shrinking_soon_after_a_grow() -> None:
     policy = ThinvmPolicy()
     state = VmState(target=300 * MiB, last_actual=300 * MiB, last_used=250 * MiB, calm_cycles=9)

@@ -298,6 +298,11 @@ class ThinvmPolicy:
         peak = max(growth, int(state.peak_growth * decay), 0)
         headroom = self._headroom(vm, peak)
         available = stats.available if stats.available is not None else stats.free
+        if not report_current and state.last_actual is not None and vm.actual > state.last_actual:
+            # The report predates a deflate (ours, last cycle): the guest
+            # has that much more now.  Without this one low report deflated
+            # a guest twice, 274 -> 530 -> 786 MiB (CI, 2026-11-26).
+            available += vm.actual - state.last_actual
         tight = available < self._headroom(vm, 0) // 2
         busy = growth > p.dead_band
         known = state.last_used is not None  # a first sample says nothing about trends
@@ -327,9 +332,14 @@ class ThinvmPolicy:
                          f"{why}: deflate at once", stressed=True)  # fmt: skip
         # When the host is calm the guest keeps its page cache; under
         # pressure only its free memory plus what it can drop counts.
-        spare = available if host.pressure else stats.free
+        # Either way no more than `available`: it is free memory less the
+        # kernel's reserves (the high watermarks: ~65 MiB in a 1 GiB guest
+        # with THP, which raises min_free_kbytes), and a guest shrunk to
+        # its headroom of *free* memory had only half of it available,
+        # counted as tight and was deflated again, 256 MiB at a time.
+        spare = available if host.pressure else min(stats.free, available)
         desired = _clamp(vm.actual - (spare - headroom), limits, vm)
-        kind = "available" if host.pressure else "free"
+        kind = "available" if host.pressure or available < stats.free else "free"
         reason = f"guest {kind} {_mib(spare)}, keeps {_mib(headroom)} headroom"
         calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
         may_shrink = report_current and calm_enough and inputs.cycle >= state.cooldown_until
