@@ -11,3 +11,7 @@ class ThinvmError(Exception):
 
 class GuestError(ThinvmError):
     """The guest did not answer, or a guest command failed."""
+
+
+class AgentBusy(GuestError):
+    """The guest agent serves one request at a time and another one held it."""

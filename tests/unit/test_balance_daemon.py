@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from thinvm.balance.backends import (
+    RECLAIMER_WAIT,
     TRIM_FLOOR_SECONDS,
     LibvirtBackend,
     ThinvmBackend,
@@ -21,7 +22,7 @@ from thinvm.balance.backends import (
 from thinvm.balance.daemon import Controller, format_status, load_status
 from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
-from thinvm.errors import ThinvmError
+from thinvm.errors import AgentBusy, ThinvmError
 from thinvm.units import GiB, KiB, MiB
 from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
 
@@ -286,6 +287,54 @@ def test_trim_first_switches_the_reclaimer_on_once_and_status_shows_the_working_
     assert backend.sent == []
     text = "\n".join(format_status(load_status(tmp_path / "s.json")))
     assert "working set ~" in text and "guest reclaimer on: 5.00 MiB reclaimed" in text
+
+
+def test_a_busy_agent_delays_the_switch_without_an_error(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    backend.reporting = True
+    backend.reclaimer = Reclaimer(available=True, background=False)
+    busy = [True, True]
+    switch = backend.set_reclaim
+
+    def set_reclaim(vm: str, on: bool) -> None:
+        if busy:
+            busy.pop()
+            raise AgentBusy("the workload's command holds the agent")
+        switch(vm, on)
+
+    backend.set_reclaim = set_reclaim  # type: ignore[method-assign]
+    ctl, lines = logged_controller(backend, tmp_path / "s.json")
+    ctl.run(cycles=4)
+    assert backend.switched == [("g", True)]  # on the third cycle
+    assert not [line for line in lines if "FAILED" in line], lines
+    assert not load_status(tmp_path / "s.json")["errors"]
+
+
+class BusyAgent:
+    """An agent another client's command holds until `free` is set."""
+
+    def __init__(self) -> None:
+        self.free = False
+        self.waits: list[float | None] = []
+
+    def request_json(self, request: str, timeout: float = 60.0, wait: float | None = None) -> Any:
+        self.waits.append(wait)
+        if not self.free:
+            raise AgentBusy("held by a workload's command")
+        return {"available": True, "background": True}
+
+
+def test_a_reclaimer_the_agent_was_too_busy_to_report_is_asked_for_next_cycle() -> None:
+    """Not 30 s later: the first overcommit guest, reading its disk when the
+    controller started, was ballooned as if it could not trim."""
+    backend = ThinvmBackend(vms=[])
+    agent = BusyAgent()
+    guest = SimpleNamespace(config=SimpleNamespace(name="a"), agent=agent)
+    assert backend._reclaimer(guest) is None
+    agent.free = True
+    known = backend._reclaimer(guest)
+    assert known is not None and known.background
+    assert agent.waits == [RECLAIMER_WAIT, RECLAIMER_WAIT]  # a cycle never waits long
 
 
 # -- virtio-mem ----------------------------------------------------------------

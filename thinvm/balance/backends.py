@@ -24,7 +24,7 @@ from thinvm.balance.model import (
     VmSample,
     parse_guest_stats,
 )
-from thinvm.errors import GuestError, ThinvmError
+from thinvm.errors import AgentBusy, GuestError, ThinvmError
 from thinvm.guest import trim
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
@@ -37,8 +37,11 @@ STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
 # How often the guest reclaimer's counters are read again: they serve the
 # status line and the trim-first rule, neither of which needs them fresher.
 RECLAIMER_REFRESH_SECONDS = 30.0
-# An agent busy with a workload's command is asked again next refresh.
-RECLAIMER_TIMEOUT = 5.0
+RECLAIMER_TIMEOUT = 5.0  # for the agent's answer, once it is our turn
+# How long a cycle waits for an agent busy with someone else's command (a
+# workload's, a trim): the agent serves one request at a time, and waiting
+# RECLAIMER_TIMEOUT for it held every VM's cycle 5 s.  Asked again next cycle.
+RECLAIMER_WAIT = 0.2
 # A controller-driven trim holds the guest's agent (which serves one
 # request at a time) this long at most, plus its compaction.
 TRIM_SECONDS = 2.0
@@ -346,7 +349,17 @@ class ThinvmBackend:
         if time.monotonic() - read_at < RECLAIMER_REFRESH_SECONDS:
             return known
         try:
-            counters = trim.reclaimer_status(vm.agent, timeout=RECLAIMER_TIMEOUT)
+            counters = trim.reclaimer_status(
+                vm.agent, timeout=RECLAIMER_TIMEOUT, wait=RECLAIMER_WAIT
+            )
+        except AgentBusy:
+            # Asked again next cycle.  Until it answers, a guest whose
+            # reclaimer was never read counts as one without: until
+            # 2026-11-26 that lasted a whole refresh period, in which the
+            # first overcommit guest, busy reading its disk when the
+            # controller started, was ballooned like a guest that cannot
+            # trim (5-6 balloon targets a pass, the other guests none).
+            return known
         except (GuestError, OSError, ValueError):
             # Busy with someone's long command, or gone for a moment: what
             # it said last still holds; ask again next period.
@@ -387,7 +400,11 @@ class ThinvmBackend:
     def set_reclaim(self, vm: str, on: bool) -> None:
         def switch(machine: Any) -> None:
             try:
-                counters = trim.set_background(machine.agent, on, timeout=RECLAIMER_TIMEOUT)
+                counters = trim.set_background(
+                    machine.agent, on, timeout=RECLAIMER_TIMEOUT, wait=RECLAIMER_WAIT
+                )
+            except AgentBusy:
+                raise  # not a failure: the policy asks again next cycle
             except (GuestError, OSError, ValueError) as exc:
                 raise ThinvmError(f"guest agent: {exc}") from exc
             if counters is None:

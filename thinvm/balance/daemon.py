@@ -24,7 +24,7 @@ from typing import Any
 from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend, VmGone
 from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
 from thinvm.balance.policies import Inputs, Policy
-from thinvm.errors import ThinvmError
+from thinvm.errors import AgentBusy, ThinvmError
 from thinvm.paths import cache_dir
 from thinvm.units import format_size
 
@@ -258,6 +258,11 @@ class Controller:
             return
         try:
             self.backend.set_reclaim(vm, on)
+        except AgentBusy:
+            # Busy with a workload's command: the policy asks again next cycle.
+            if self.verbose:
+                self.log(f"{where}: {what} not yet: its agent is busy")
+            return
         except (ThinvmError, OSError, TimeoutError) as exc:
             report.errors.append(f"{vm}: {what}: {exc}")
             self.log(f"{where}: FAILED to switch the {what}: {exc}")

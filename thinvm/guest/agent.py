@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thinvm.errors import GuestError
+from thinvm.errors import AgentBusy, GuestError
 from thinvm.host.locks import FileLock
 
 # How long a fresh connection waits for the agent's PONG before a command.
@@ -102,9 +102,9 @@ class AgentClient:
     def _turn(self, timeout: float) -> Iterator[None]:
         """This client's turn on a shared agent: from lock to disconnect."""
         if not self._busy.acquire(timeout=timeout):
-            raise GuestError(
+            raise AgentBusy(
                 f"guest agent {self.path} stayed busy with another thread's request for "
-                f"{timeout:.0f} s"
+                f"{timeout:g} s"
             )
         try:
             with self._process_turn(timeout):
@@ -124,9 +124,9 @@ class AgentClient:
                 f"the VM of {self.path} is gone: it was stopped or migrated to another host"
             ) from exc
         if not taken:
-            raise GuestError(
+            raise AgentBusy(
                 f"guest agent {self.path} stayed busy with another client's command for "
-                f"{timeout:.0f} s: retry when it is done, or give a longer timeout"
+                f"{timeout:g} s: retry when it is done, or give a longer timeout"
             )
         try:
             yield
@@ -239,11 +239,13 @@ class AgentClient:
             )
         return result
 
-    def request_json(self, request: str, timeout: float = 60.0) -> Any:
+    def request_json(self, request: str, timeout: float = 60.0, wait: float | None = None) -> Any:
         """Send a one-line request answered with `JSON <n>` + n bytes
         (TRIM and RECLAIM, docs/protocol/agent.md).  Returns None if the
-        agent answers `ERR unknown`: it predates the request."""
-        with self._turn(timeout):
+        agent answers `ERR unknown`: it predates the request.  `wait`: how
+        long to wait for another client's request to finish (default
+        `timeout`) before raising AgentBusy."""
+        with self._turn(timeout if wait is None else wait):
             return self._request_json(request, timeout)
 
     def _request_json(self, request: str, timeout: float) -> Any:

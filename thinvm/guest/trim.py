@@ -181,13 +181,18 @@ def trim(
     )
 
 
-def reclaimer_status(agent: AgentClient, timeout: float = 30.0) -> dict[str, Any] | None:
-    """The guest reclaimer's counters, or None from an agent without one."""
-    reply = agent.request_json("RECLAIM status", timeout=timeout)
+def reclaimer_status(
+    agent: AgentClient, timeout: float = 30.0, wait: float | None = None
+) -> dict[str, Any] | None:
+    """The guest reclaimer's counters, or None from an agent without one.
+    `wait`: how long another request may hold the agent (AgentBusy after)."""
+    reply = agent.request_json("RECLAIM status", timeout=timeout, wait=wait)
     return reply if isinstance(reply, dict) else None
 
 
-def set_background(agent: AgentClient, on: bool, timeout: float = 30.0) -> dict[str, Any] | None:
+def set_background(
+    agent: AgentClient, on: bool, timeout: float = 30.0, wait: float | None = None
+) -> dict[str, Any] | None:
     """Switch the guest's continuous reclaim on or off; its counters after."""
-    reply = agent.request_json(f"RECLAIM {'on' if on else 'off'}", timeout=timeout)
+    reply = agent.request_json(f"RECLAIM {'on' if on else 'off'}", timeout=timeout, wait=wait)
     return reply if isinstance(reply, dict) else None
