@@ -358,11 +358,11 @@ class ThinvmBackend:
             # 2026-11-26 that lasted a whole refresh period, in which the
             # first overcommit guest, busy reading its disk when the
             # controller started, was ballooned like a guest that cannot
-            # trim (5-6 balloon targets a pass, the other guests none).
+            # trim (0-6 balloon targets a pass, the other guests none).
             return known
         except (GuestError, OSError, ValueError):
-            # Busy with someone's long command, or gone for a moment: what
-            # it said last still holds; ask again next period.
+            # Silent or gone for a moment: what it said last still holds;
+            # ask again next period.
             self._reclaimers[name] = (time.monotonic(), known)
             return known
         known = Reclaimer.from_counters(counters) if counters is not None else None
