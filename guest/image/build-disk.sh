@@ -99,7 +99,10 @@ inputs_hash() {
 }
 
 build_agent() {
-	local obj=$cache/agent-build
+	# Named after the sources, as in build.sh: make goes by timestamps.
+	local obj
+	obj=$cache/agent-build/$(cat "$agent_src"/*.[ch] "$agent_src"/Makefile |
+		sha256sum | cut -c1-16)
 	mkdir -p "$obj"
 	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
 	cp "$obj/thinvm-mem" "$tmp/"

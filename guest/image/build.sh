@@ -244,8 +244,17 @@ inputs_hash() {
 	} | sha256sum | awk '{ print $1 }'
 }
 
+# The object dir is named after the sources: make goes by timestamps, and
+# a checkout whose edit is older than another checkout's build (a CI clone
+# built after it) would otherwise get that build's binaries.
+agent_obj() {
+	echo "$cache/agent-build/$(cat "$agent_src"/*.[ch] "$agent_src"/Makefile |
+		sha256sum | cut -c1-16)"
+}
+
 build_agent() {
-	local obj=$cache/agent-build
+	local obj
+	obj=$(agent_obj)
 	log "building thinvm-agent and thinvm-mem"
 	mkdir -p "$obj"
 	# Builds of two images may run at once; they share one object dir.
