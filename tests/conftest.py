@@ -25,33 +25,32 @@ os.environ.setdefault(pvh.ENV, "1")
 # the benchmarks keep Debian's default.
 os.environ.setdefault(GUEST_APPEND_ENV, "init_on_alloc=0")
 
-# Seconds each module's tests took in a warm `make test` (2026-11-26,
-# junit times, after the qtests' quadratic reads were fixed), heaviest
-# first.  `make test` runs pytest-xdist with
-# --dist loadfile --no-loadscope-reorder, which hands out whole modules in
-# collection order; xdist's own order (most tests first) left the heavy
+# Seconds each module's tests took in a `make test` (2026-11-27, junit
+# times of a clean-clone run), heaviest first.  `make test` runs
+# pytest-xdist with --dist loadfile --no-loadscope-reorder, which hands
+# out whole modules in collection order; xdist's own order (most tests first) left the heavy
 # modules with few tests for last, and one worker ran on ~95 s after the
 # others had finished.  Modules not listed (quick unit tests) go last.
 MODULE_SECONDS = {
-    "tests/integration/test_fleet.py": 400,
-    "tests/integration/test_sparse_migration.py": 334,
-    "tests/integration/test_balance.py": 259,
-    "tests/integration/test_guest_driver.py": 200,
-    "tests/integration/test_bench.py": 196,
-    "tests/integration/test_packaged_cluster.py": 186,
-    "tests/integration/test_pool.py": 173,
+    "tests/integration/test_fleet.py": 442,
+    "tests/integration/test_packaged_cluster.py": 362,
+    "tests/integration/test_sparse_migration.py": 353,
+    "tests/integration/test_balance.py": 280,
+    "tests/integration/test_guest_driver.py": 223,
+    "tests/integration/test_pool.py": 212,
+    "tests/integration/test_bench.py": 203,
+    "tests/integration/test_resize.py": 167,
     "tests/integration/test_trim.py": 149,
-    "tests/integration/test_resize.py": 141,
-    "tests/integration/test_readme.py": 87,
-    "tests/unit/test_qtests_sparse_discard_files.py": 68,
-    "tests/integration/test_guest.py": 60,
-    "tests/integration/test_packages.py": 52,
-    "tests/unit/test_qtests_postcopy.py": 37,
+    "tests/integration/test_readme.py": 100,
+    "tests/integration/test_guest.py": 63,
+    "tests/integration/test_packages.py": 63,
+    "tests/unit/test_qtests_sparse_discard_files.py": 62,
+    "tests/unit/test_qtests_postcopy.py": 44,
+    "tests/unit/test_qtests_precopy.py": 40,
     "tests/integration/test_cli.py": 36,
-    "tests/unit/test_qtests_precopy.py": 34,
-    "tests/integration/test_downtime.py": 28,
-    "tests/integration/test_migration.py": 21,
-    "tests/unit/test_qemu_patches.py": 19,
+    "tests/integration/test_downtime.py": 32,
+    "tests/integration/test_migration.py": 24,
+    "tests/unit/test_qemu_patches.py": 23,
 }
 
 

@@ -193,6 +193,8 @@ class Reclaimer:
     reclaimed_bytes: int = 0
     backoffs: int = 0  # held back for stalls or refaults: the working set was reached
     refault_pages: int = 0
+    compactions: int = 0
+    cpu_ms: int = 0  # guest CPU its steps and compactions took
     # The page cache a recent trim could not take (the agent's floor, which
     # counts the active file list the balloon statistics do not carry, or
     # what was left when refaults, pressure or no progress stopped it); 0
@@ -207,6 +209,8 @@ class Reclaimer:
             reclaimed_bytes=int(counters.get("reclaimed_bytes", 0)),
             backoffs=int(counters.get("backoffs", 0)),
             refault_pages=int(counters.get("refault_pages", 0)),
+            compactions=int(counters.get("compactions", 0)),
+            cpu_ms=int(counters.get("cpu_ms", 0)),
         )
 
 

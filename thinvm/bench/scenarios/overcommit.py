@@ -36,6 +36,7 @@ from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
 from thinvm.bench.scenarios.common import timed_in_guest
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
+from thinvm.guest import trim as guest_trim
 from thinvm.guest import workload as guest_workload
 from thinvm.host.memory import host_meminfo, parse_vmstat
 from thinvm.units import MiB, format_size, parse_size
@@ -302,6 +303,8 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
                     run.oom_kills = counters.get("oom_kill")
                     run.file_refaults = counters.get("workingset_refault_file")
                 run.stall_us = guest_stall_us(vm)
+                if controller is not None:
+                    levers.read_final(vm)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
@@ -492,6 +495,14 @@ class Levers:
             if sample.reclaimer is not None:
                 self.reclaimers[sample.name] = sample.reclaimer
 
+    def read_final(self, vm: VM) -> None:
+        """The reclaimer's counters at the end: the controller reads them
+        at most every 30 s, and a pass is about two minutes."""
+        with contextlib.suppress(ThinvmError, OSError, ValueError):
+            counters = guest_trim.reclaimer_status(vm.agent, timeout=10.0)
+            if counters is not None:
+                self.reclaimers[vm.config.name] = Reclaimer.from_counters(counters)
+
     def metrics(self) -> Metrics:
         last = self.reclaimers.values()
         return {
@@ -501,6 +512,10 @@ class Levers:
             # are those seen while a reclaimer ran.
             "reclaimed_bytes": sum(r.reclaimed_bytes for r in last),
             "reclaimer_refault_pages": sum(r.refault_pages for r in last),
+            # What reclaiming cost the guests: CPU of a TCG vCPU the
+            # workload did not get (steps and compactions, as counted last).
+            "reclaimer_cpu_s": sum(r.cpu_ms for r in last) / 1000,
+            "reclaimer_compactions": sum(r.compactions for r in last),
         }
 
 
