@@ -110,7 +110,9 @@ def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
     host = HostSample(total=4096 * MiB, available=1024 * MiB)
 
     def report(trim: int | None, reason: str, reclaimed: int, refaults: int) -> CycleReport:
-        rec = Reclaimer(True, True, reclaimed_bytes=reclaimed, refault_pages=refaults)
+        rec = Reclaimer(
+            True, True, reclaimed_bytes=reclaimed, refault_pages=refaults, cpu_ms=refaults
+        )
         sample = VmSample("a", 1024 * MiB, 1024 * MiB, None, reporting=True, reclaimer=rec)
         return CycleReport(1, host, [sample], [Decision("a", None, reason, trim=trim)], 0)
 
@@ -123,4 +125,13 @@ def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
         "trim_requested_bytes": 256 * MiB,
         "reclaimed_bytes": 500 * MiB,
         "reclaimer_refault_pages": 2148,
+        "reclaimer_cpu_s": 2.148,
+        "reclaimer_compactions": 0,
     }
+
+
+def test_reclaimer_counters_carry_what_reclaiming_cost() -> None:
+    counters = {"available": True, "background": True, "cpu_ms": 2300, "compactions": 7}
+    rec = Reclaimer.from_counters(counters)
+    assert (rec.cpu_ms, rec.compactions, rec.cache_floor) == (2300, 7, 0)
+    assert Reclaimer.from_counters({}) == Reclaimer(False, False)
