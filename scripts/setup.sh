@@ -99,6 +99,11 @@ install_backports
 # thinvm's Debian packages and their local apt repository (docs/install.md):
 # about 20 s when the QEMU build changed, a second otherwise.
 "$top/packaging/build-debs.sh" >/dev/null
+# The cached Debian roots of packaged cluster hosts and of the package
+# tests (mmdebstrap, 1-2 min each on a fresh machine, instant after): built
+# here so that a test's set-up never waits for one.
+"$top/packaging/host-root.sh" >/dev/null
+"$top/packaging/debian-root.sh" >/dev/null
 # Guest images: Debian's in-tree balloon driver and ours, for both kernels.
 for kernel in 6.1 6.12; do
 	"$top/guest/image/build.sh" --kernel "$kernel" --balloon stock >/dev/null
