@@ -28,9 +28,10 @@ os.environ.setdefault(GUEST_APPEND_ENV, "init_on_alloc=0")
 # Seconds each module's tests took in a `make test` (2026-11-27, junit
 # times of a clean-clone run), heaviest first.  `make test` runs
 # pytest-xdist with --dist loadfile --no-loadscope-reorder, which hands
-# out whole modules in collection order; xdist's own order (most tests first) left the heavy
-# modules with few tests for last, and one worker ran on ~95 s after the
-# others had finished.  Modules not listed (quick unit tests) go last.
+# out whole modules in collection order; xdist's own order (most tests
+# first) left the heavy modules with few tests for last, and one worker
+# ran on ~95 s after the others had finished.  Modules not listed (quick
+# unit tests) go last.
 MODULE_SECONDS = {
     "tests/integration/test_fleet.py": 442,
     "tests/integration/test_packaged_cluster.py": 362,

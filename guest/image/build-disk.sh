@@ -89,7 +89,7 @@ inputs_hash() {
 	{
 		echo "$kernel $suite $meta ${packages[*]} $disk_size"
 		sha256sum "$here/build-disk.sh" "$disk_src"/* \
-			"$agent_src"/*.[ch] "$agent_src"/Makefile \
+			"$agent_src"/*.[ch] "$agent_src"/Makefile "$agent_src"/build-cached.sh \
 			"$balloon_src"/*.c "$balloon_src"/*.h "$balloon_src"/Makefile \
 			"$balloon_src"/dkms.conf "$balloon_src"/thinvm-balloon.conf \
 			"$top"/packaging/build-debs.sh "$top"/packaging/copyright \
@@ -99,12 +99,8 @@ inputs_hash() {
 }
 
 build_agent() {
-	# Named after the sources, as in build.sh: make goes by timestamps.
 	local obj
-	obj=$cache/agent-build/$(cat "$agent_src"/*.[ch] "$agent_src"/Makefile |
-		sha256sum | cut -c1-16)
-	mkdir -p "$obj"
-	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
+	obj=$("$agent_src/build-cached.sh")
 	cp "$obj/thinvm-mem" "$tmp/"
 }
 

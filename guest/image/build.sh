@@ -239,27 +239,15 @@ inputs_hash() {
 		echo "$kpkg $kpkg_version $balloon_variant"
 		cat "$tmp/modlist" "$tmp/intree"
 		sha256sum "$here/build.sh" "$here/init" "$(command -v busybox)" \
-			"$agent_src"/*.[ch] "$agent_src"/Makefile ${balloon_ko:+"$balloon_ko"} |
+			"$agent_src"/*.[ch] "$agent_src"/Makefile "$agent_src"/build-cached.sh \
+			${balloon_ko:+"$balloon_ko"} |
 			awk '{ print $1 }'
 	} | sha256sum | awk '{ print $1 }'
 }
 
-# The object dir is named after the sources: make goes by timestamps, and
-# a checkout whose edit is older than another checkout's build (a CI clone
-# built after it) would otherwise get that build's binaries.
-agent_obj() {
-	echo "$cache/agent-build/$(cat "$agent_src"/*.[ch] "$agent_src"/Makefile |
-		sha256sum | cut -c1-16)"
-}
-
 build_agent() {
-	local obj
-	obj=$(agent_obj)
 	log "building thinvm-agent and thinvm-mem"
-	mkdir -p "$obj"
-	# Builds of two images may run at once; they share one object dir.
-	flock "$obj/.lock" make -s -C "$agent_src" O="$obj" >&2
-	agent_bin=$obj
+	agent_bin=$("$agent_src/build-cached.sh")
 }
 
 add_busybox() {
