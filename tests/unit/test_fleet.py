@@ -5,6 +5,7 @@ import shutil
 import stat
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -405,3 +406,29 @@ def test_multifd_args_compress_only_over_channels() -> None:
         migrate.multifd_args(2, "zlib")
     with pytest.raises(ThinvmError, match="want 0"):
         migrate.multifd_args(-1, None)
+
+
+def test_two_installs_of_one_image_at_once_both_succeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pytest workers installed a new image at the same moment and
+    shared one temporary file: one renamed it away from under the other
+    (CI, 2026-11-27).  Here the second install runs inside the first's copy."""
+    built = built_image(tmp_path / "cache" / "6.1-abc")
+    images = tmp_path / "images"
+    copy = shutil.copyfile
+    nested: list[Path] = []
+    started: list[bool] = []
+
+    def copy_while_another_installs(src: Path, dst: Path) -> Any:
+        done = copy(src, dst)
+        if not started:
+            started.append(True)
+            nested.append(guest_image.install_image(built, images).directory)
+        return done
+
+    monkeypatch.setattr(guest_image.shutil, "copyfile", copy_while_another_installs)
+    image = guest_image.install_image(built, images)
+    assert nested == [image.directory]
+    assert image.disk.read_bytes() == (built / "disk.qcow2").read_bytes()
+    assert not list(image.directory.glob(".*"))  # no temporary file left

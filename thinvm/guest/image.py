@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -164,13 +165,25 @@ def _install_image(built: Path, dest: Path) -> DiskImage:
         want = src.stat()
         if have and (have.st_size, have.st_mtime_ns) == (want.st_size, want.st_mtime_ns):
             continue
-        tmp = dest / f".{name}.tmp"
+        _copy_into_place(src, dst, want)
+    meta = json.loads((dest / "image.json").read_text())
+    return DiskImage(dest, str(meta["kernel"]), str(meta["kernel_version"]), str(meta["cmdline"]))
+
+
+def _copy_into_place(src: Path, dst: Path, want: os.stat_result) -> None:
+    """Copy `src` to `dst` through a temporary file of this call's own:
+    two processes may install the same image at once (pytest workers did,
+    sharing one temporary name, and one renamed it from under the other)."""
+    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
         shutil.copyfile(src, tmp)
         tmp.chmod(0o644)
         os.utime(tmp, ns=(want.st_atime_ns, want.st_mtime_ns))
         tmp.replace(dst)
-    meta = json.loads((dest / "image.json").read_text())
-    return DiskImage(dest, str(meta["kernel"]), str(meta["kernel_version"]), str(meta["cmdline"]))
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def create_overlay(base: Path, overlay: Path) -> None:
