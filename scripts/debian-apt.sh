@@ -32,16 +32,31 @@ mirror_uri() {
 	echo "$uri"
 }
 
+# Replaces $1 with stdin through a rename, and only when the text changed:
+# several callers run at once (parallel tests each build an image), and one
+# truncating sources.list while another's apt-cache reads it made that
+# reader see no suites at all.
+install_text() {
+	local file=$1 new
+	new=$(mktemp "$file.XXXXXX")
+	cat >"$new"
+	if cmp -s "$new" "$file"; then
+		rm -f "$new"
+	else
+		mv -f "$new" "$file"
+	fi
+}
+
 write_config() {
 	local uri keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 	uri=$(mirror_uri)
 	mkdir -p "$root/lists/partial" "$root/archives/partial" "$root/etc/preferences.d"
-	cat > "$root/etc/sources.list" <<SRC
+	install_text "$root/etc/sources.list" <<SRC
 deb-src [signed-by=$keyring] $uri trixie main
 deb [signed-by=$keyring] $uri bookworm main
 deb [signed-by=$keyring] $uri bookworm-backports main
 SRC
-	cat > "$root/etc/apt.conf" <<CONF
+	install_text "$root/etc/apt.conf" <<CONF
 Dir::Etc::SourceList "$root/etc/sources.list";
 Dir::Etc::SourceParts "/nonexistent";
 Dir::Etc::PreferencesParts "$root/etc/preferences.d";
@@ -54,6 +69,15 @@ Acquire::Languages "none";
 CONF
 }
 
+# An update rewrites the lists under every query: updates hold this lock
+# exclusively, queries share it.  A second update waits for the first and
+# then finds the lists fresh, instead of failing on apt's own lock and
+# going on with lists half replaced.
+lock_lists() {
+	exec 9>"$root/.lock"
+	flock "$1" 9
+}
+
 if [ "${1:-}" = mirror ]; then
 	mirror_uri
 	exit 0
@@ -63,6 +87,7 @@ export APT_CONFIG=$root/etc/apt.conf
 case "${1:-}" in
 update)
 	# Lists older than a day are refreshed; otherwise this is a no-op.
+	lock_lists --exclusive
 	stamp=$root/lists/.stamp
 	if [ -z "$(find "$stamp" -mmin -1440 2>/dev/null)" ]; then
 		apt-get -q update >&2
@@ -71,15 +96,18 @@ update)
 	;;
 source)
 	shift
+	lock_lists --shared
 	apt-get -q --download-only source "$@" >&2
 	;;
 download)
 	shift
+	lock_lists --shared
 	apt-get -q download "$@" >&2
 	;;
 policy|show|madison)
 	cmd=$1
 	shift
+	lock_lists --shared
 	apt-cache "$cmd" "$@"
 	;;
 *)
