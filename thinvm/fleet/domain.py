@@ -33,6 +33,7 @@ from pathlib import Path
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 from thinvm.vm.machine import (
+    TCG_CPU_FEATURES_OFF,
     VIRTIO_MEM_BLOCK_SIZE,
     VIRTIO_MEM_KERNEL_ARGS,
     VMConfig,
@@ -173,6 +174,8 @@ def _virtio_mem(devices: ET.Element, spec: DomainSpec) -> None:
 def _cpu(root: ET.Element, spec: DomainSpec) -> None:
     # TCG's most capable CPU model; both ends of a migration run the same.
     cpu = _sub(root, "cpu", mode="maximum", migratable="on")
+    for feature in TCG_CPU_FEATURES_OFF:  # byte-wise string ops, slow under TCG
+        _sub(cpu, "feature", policy="disable", name=feature)
     if spec.virtio_mem:
         # libvirt plugs memory devices only into a guest NUMA node.
         numa = _sub(cpu, "numa")
