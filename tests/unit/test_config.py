@@ -264,7 +264,7 @@ def test_a_disk_guest_boots_from_its_overlay_as_the_first_virtio_disk() -> None:
     assert data.startswith("file=/d.img")
     # The initramfs guest's command line is as it was: no disk, no root=.
     args = _vm(VMConfig()).command_line()
-    assert _option(args, "-append") == ["console=ttyS0 panic=-1"]
+    assert _option(args, "-append") == ["console=ttyS0 no_timer_check panic=-1"]
     assert _option(args, "-drive") == []
 
 
@@ -274,7 +274,9 @@ def test_process_wide_guest_args_come_before_the_configs_own(
     monkeypatch.setenv(GUEST_APPEND_ENV, "init_on_alloc=0")
     args = _vm(VMConfig(append="init_on_alloc=1")).command_line()
     # The kernel takes the last of a repeated argument: the config's.
-    assert _option(args, "-append") == ["console=ttyS0 panic=-1 init_on_alloc=0 init_on_alloc=1"]
+    assert _option(args, "-append") == [
+        "console=ttyS0 no_timer_check panic=-1 init_on_alloc=0 init_on_alloc=1"
+    ]
 
 
 def test_a_disk_guest_makes_its_overlay_in_its_run_directory(

@@ -66,7 +66,7 @@ class DomainSpec:
     kernel: Path
     initrd: Path
     disk: Path
-    cmdline: str = "root=/dev/vda rw console=ttyS0"
+    cmdline: str = "root=/dev/vda rw console=ttyS0 no_timer_check"
     memory: int = 1024 * MiB
     current_memory: int | None = None
     cpus: int = 1

@@ -404,10 +404,14 @@ class VM:
         """Kernel, initrd and command line; a disk guest's root disk."""
         assert self.image is not None
         cfg = self.config
-        base = "console=ttyS0"
+        # no_timer_check: the IO-APIC timer check counts ticks in a short
+        # delay loop; a vCPU of a loaded host can see none and panic ("IO-APIC
+        # + timer doesn't work!", seen in our CI).  The disk image's own
+        # command line carries it too (guest/image/build-disk.sh).
+        base = "console=ttyS0 no_timer_check"
         drive: list[str] = []
         if self.disk is not None:
-            base = str(self.image.meta["cmdline"])  # root=/dev/vda rw console=ttyS0
+            base = str(self.image.meta["cmdline"])  # root=/dev/vda rw console=ttyS0 ...
             if cfg.guest_driver == "stock":
                 base += f" {NO_THINVM_DRIVER}"
             # The first virtio disk (vda).  Default cache mode: both ends of
