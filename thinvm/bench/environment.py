@@ -13,6 +13,7 @@ from thinvm.host.memory import host_meminfo
 from thinvm.paths import REPO
 from thinvm.qemu import accel as accel_mod
 from thinvm.qemu import builds
+from thinvm.vm.machine import TCG_CPU
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -74,6 +75,7 @@ def guest_environment(build: str, kernel: str, driver: str, accel: str) -> dict[
         except (ThinvmError, OSError, subprocess.CalledProcessError) as exc:
             qemu[flavour] = {"flavour": flavour, "error": str(exc)}
     image = ensure_image(kernel, driver)
+    resolved = accel_mod.resolve(accel, builds.find_build(build))
     return {
         "qemu": qemu,
         "qemu_used": build,
@@ -81,5 +83,8 @@ def guest_environment(build: str, kernel: str, driver: str, accel: str) -> dict[
         "guest_kernel_package": str(image.meta.get("package_version", "unknown")),
         "guest_kernel_series": kernel,
         "guest_driver": driver,
-        "accel": accel_mod.resolve(accel, builds.find_build(build)),
+        "accel": resolved,
+        # Records before 2026-11-27 ran TCG guests on plain "max", whose
+        # byte-wise string ops made guest memory work 2-3x dearer.
+        "guest_cpu": TCG_CPU if resolved == "tcg" else "host",
     }

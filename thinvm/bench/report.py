@@ -237,7 +237,8 @@ def machine_line(result: dict[str, Any]) -> str:
     return (
         f"{env.get('cpu_model')}, {env.get('nproc')} CPUs, {mem / GiB:.1f} GiB RAM, "
         f"swap {format_size(env.get('swap_total', 0))}, host kernel {env.get('host_kernel')}, "
-        f"THP {env.get('thp_enabled')}; accel {env.get('accel')}; "
+        f"THP {env.get('thp_enabled')}; accel {env.get('accel')}"
+        f" (guest CPU {env.get('guest_cpu', 'max: byte-wise string ops on')}); "
         f"QEMU {env.get('qemu_used')} unless a variant names another "
         f"({_build_line(qemu, 'stock')}; {_build_line(qemu, 'patched')}); "
         f"guest kernel {env.get('guest_kernel')} ({package}{env.get('guest_driver')} "
