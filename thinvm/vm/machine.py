@@ -89,8 +89,8 @@ PR_SET_PDEATHSIG = 1
 # byte per iteration, and every page a Debian kernel allocates is zeroed
 # (init_on_alloc).  Filling 1 GiB of tmpfs in a guest cost 14-18 s of QEMU
 # CPU with them and 5.7-9.1 s without.  Under KVM the host's CPU is used.
-TCG_CPU = "max,erms=off,fsrm=off"
 TCG_CPU_FEATURES_OFF = ("erms", "fsrm")
+TCG_CPU = ",".join(["max", *(f"{flag}=off" for flag in TCG_CPU_FEATURES_OFF)])
 
 
 def with_process_wide_args(cmdline: str) -> str:
