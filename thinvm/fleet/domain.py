@@ -33,6 +33,7 @@ from pathlib import Path
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 from thinvm.vm.machine import (
+    GUEST_CONSOLE_ARGS,
     TCG_CPU_FEATURES_OFF,
     VIRTIO_MEM_BLOCK_SIZE,
     VIRTIO_MEM_KERNEL_ARGS,
@@ -66,7 +67,7 @@ class DomainSpec:
     kernel: Path
     initrd: Path
     disk: Path
-    cmdline: str = "root=/dev/vda rw console=ttyS0 no_timer_check"
+    cmdline: str = f"root=/dev/vda rw {GUEST_CONSOLE_ARGS}"
     memory: int = 1024 * MiB
     current_memory: int | None = None
     cpus: int = 1

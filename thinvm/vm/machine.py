@@ -92,6 +92,13 @@ PR_SET_PDEATHSIG = 1
 TCG_CPU_FEATURES_OFF = ("erms", "fsrm")
 TCG_CPU = ",".join(["max", *(f"{flag}=off" for flag in TCG_CPU_FEATURES_OFF)])
 
+# Every guest's console and timer arguments.  no_timer_check: the IO-APIC
+# timer check counts ticks in a short delay loop; a vCPU of a loaded host
+# can see none and panic ("IO-APIC + timer doesn't work!", seen in our CI
+# under TCG, as OpenStack's and CirrOS' CIs did).  The disk image's own
+# command line carries the same (guest/image/build-disk.sh).
+GUEST_CONSOLE_ARGS = "console=ttyS0 no_timer_check"
+
 
 def with_process_wide_args(cmdline: str) -> str:
     """`cmdline` after the kernel arguments of GUEST_APPEND_ENV, if any."""
@@ -404,11 +411,7 @@ class VM:
         """Kernel, initrd and command line; a disk guest's root disk."""
         assert self.image is not None
         cfg = self.config
-        # no_timer_check: the IO-APIC timer check counts ticks in a short
-        # delay loop; a vCPU of a loaded host can see none and panic ("IO-APIC
-        # + timer doesn't work!", seen in our CI).  The disk image's own
-        # command line carries it too (guest/image/build-disk.sh).
-        base = "console=ttyS0 no_timer_check"
+        base = GUEST_CONSOLE_ARGS
         drive: list[str] = []
         if self.disk is not None:
             base = str(self.image.meta["cmdline"])  # root=/dev/vda rw console=ttyS0 ...
