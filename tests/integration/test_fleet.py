@@ -112,23 +112,26 @@ class SharedGuest:
         self.state = state
         self.images = images
 
+    def hosts(self) -> list[Host]:
+        """Where it may run: the two hosts with the patched QEMU."""
+        return [self.state.host(n) for n in ("h1", "h2")]
+
     def running(self) -> Host:
         """The host the guest runs on, booting it on h1 if it runs nowhere."""
-        hosts = [self.state.host(n) for n in ("h1", "h2")]
-        for h in hosts:
+        for h in self.hosts():
             if guest.domstate(h, self.name) == "running":
                 return h
-        for h in hosts:
-            remove(h, self.name)
+        self.remove()
         return start(self.state, self.images, self.name)
 
     def other(self, h: Host) -> Host:
-        """The other thinvm host (h1 and h2 run the patched QEMU)."""
-        return self.state.host("h2" if h.name == "h1" else "h1")
+        """The other host it may run on."""
+        (other,) = [o for o in self.hosts() if o.name != h.name]
+        return other
 
     def remove(self) -> None:
-        for n in ("h1", "h2"):
-            remove(self.state.host(n), self.name)
+        for h in self.hosts():
+            remove(h, self.name)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +238,7 @@ def test_balance_controller_drives_a_libvirt_domain(
 
 
 def test_setmem_migrate_back_and_forth_save_restore(
-    fleet: ClusterState, images: dict[str, guest_image.DiskImage], shared_guest: SharedGuest
+    images: dict[str, guest_image.DiskImage], shared_guest: SharedGuest
 ) -> None:
     """setmem by page ranges; h1 -> h2 -> h1 -> h2, the last one `thinvm
     fleet migrate --trim` (issue 20): the guest reads a file of its disk
