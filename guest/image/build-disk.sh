@@ -80,8 +80,21 @@ mirror() {
 }
 
 # The linux-image-amd64 version of $suite: part of the inputs, so a new
-# Debian kernel makes a new image.
+# Debian kernel makes a new image.  The answer only changes when the apt
+# lists do, so it is remembered until they are refreshed: a query costs
+# ~0.8 s of CPU, and the test suite asks for an up-to-date image some 30
+# times.
 kernel_meta_version() {
+	local memo=$cache/disk/.meta-$kernel lists=$cache/apt/lists
+	if [ ! -s "$memo" ] || [ -n "$(find "$lists" -newer "$memo" -print -quit)" ]; then
+		mkdir -p "$cache/disk"
+		query_meta_version >"$memo.$$"
+		mv "$memo.$$" "$memo"
+	fi
+	cat "$memo"
+}
+
+query_meta_version() {
 	"$apt" madison linux-image-amd64 |
 		awk -F'|' -v s="$kernel" '
 		{ gsub(/ /, "", $2); v = $2 }

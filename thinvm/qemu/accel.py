@@ -92,22 +92,40 @@ def probe(build: QemuBuild) -> dict[str, object]:
     return {"tcg_seconds": tcg, "kvm_seconds": kvm, "choice": "kvm" if use_kvm else "tcg"}
 
 
-def _cache_key(build: QemuBuild) -> str:
-    stat = build.binary.stat()
-    return f"{platform.release()}:{build.binary}:{stat.st_mtime_ns}"
+def _identity(build: QemuBuild) -> dict[str, object]:
+    """What a verdict holds for: this host kernel and this binary."""
+    return {"kernel": platform.release(), "mtime_ns": build.binary.stat().st_mtime_ns}
+
+
+def _read_verdicts(path: Path) -> dict[str, dict[str, object]]:
+    """The cached verdicts by binary path; a missing or unreadable file
+    (or one of the older single-verdict form) holds none."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    verdicts = cached.get("verdicts") if isinstance(cached, dict) else None
+    return verdicts if isinstance(verdicts, dict) else {}
 
 
 def probe_cached(build: QemuBuild) -> dict[str, object]:
+    """The probe's verdict for `build`, probed once per host kernel and
+    binary.  Each binary keeps its own verdict: with one shared entry, a
+    process that alternates the stock and patched builds (the test suite,
+    the benchmarks) probed again at every switch, ~4 s of CPU each time."""
     path = cache_dir() / "accel.json"
-    key = _cache_key(build)
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return dict(cached["result"])
-    except (OSError, ValueError, KeyError):
-        pass
+    binary, identity = str(build.binary), _identity(build)
+    cached = _read_verdicts(path).get(binary, {})
+    result = cached.get("result")
+    if {k: cached.get(k) for k in identity} == identity and isinstance(result, dict):
+        return dict(result)
     result = probe(build)
-    path.write_text(json.dumps({"key": key, "result": result}, indent=2))
+    # Read again: another process may have probed another build meanwhile.
+    verdicts = _read_verdicts(path)
+    verdicts[binary] = {**identity, "result": result}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"verdicts": verdicts}, indent=2))
+    tmp.replace(path)  # readers never see half a file
     return result
 
 
