@@ -1,7 +1,9 @@
 """Where thinvm keeps its caches, builds and per-VM state."""
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,3 +22,17 @@ def run_dir() -> Path:
     """
     env = os.environ.get("THINVM_RUN")
     return Path(env) if env else cache_dir() / "run"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write `data` as JSON to `path` through a rename, so that a reader
+    (another process, or this one after a crash) sees the old file or the
+    new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w") as out:
+        json.dump(data, out, indent=2)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)

@@ -44,17 +44,16 @@ CHUNK = 64 * 1024
 FALL_AT = 120 * MiB
 
 
-class FluctuatingLink:
-    """A TCP relay to `target` whose rate alternates between `fast` bytes/s
-    for `fast_s` and `slow` bytes/s for `slow_s`, shared by all connections.
+class Relay:
+    """A TCP relay to `target` whose rate (bytes/s, rate()) is shared by all
+    connections.
 
     Only the source-to-destination direction is shaped; the return path
     carries little.  The schedule starts with the first connection.
     """
 
-    def __init__(self, target: int, fast: int, fast_s: float, slow: int, slow_s: float) -> None:
+    def __init__(self, target: int) -> None:
         self.target = target
-        self.fast, self.fast_s, self.slow, self.slow_s = fast, fast_s, slow, slow_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.lock = threading.Lock()
@@ -64,8 +63,7 @@ class FluctuatingLink:
         self.sockets: list[socket.socket] = []
 
     def rate(self, now: float) -> int:
-        phase = (now - self.start) % (self.fast_s + self.slow_s)
-        return self.fast if phase < self.fast_s else self.slow
+        raise NotImplementedError
 
     def occupy(self, nbytes: int) -> None:
         """Wait until the link has room for `nbytes` more."""
@@ -111,15 +109,27 @@ class FluctuatingLink:
             s.close()
 
 
-class FallingLink(FluctuatingLink):
-    """A relay that carries `fast` bytes/s until fall() is called, then a
-    rate that loses `loss` of itself every `period` seconds, down to
-    `floor`: the last stretch of the 128 GiB migration, where the
-    destination's page zeroing took both of the host's cores (QEMU 0028)."""
+class FluctuatingLink(Relay):
+    """`fast` bytes/s for `fast_s`, then `slow` bytes/s for `slow_s`, in turn."""
+
+    def __init__(self, target: int, fast: int, fast_s: float, slow: int, slow_s: float) -> None:
+        super().__init__(target)
+        self.fast, self.fast_s, self.slow, self.slow_s = fast, fast_s, slow, slow_s
+
+    def rate(self, now: float) -> int:
+        phase = (now - self.start) % (self.fast_s + self.slow_s)
+        return self.fast if phase < self.fast_s else self.slow
+
+
+class FallingLink(Relay):
+    """`fast` bytes/s until fall() is called, then a rate that loses `loss`
+    of itself every `period` seconds, down to `floor`: the last stretch of
+    the 128 GiB migration, where the destination's page zeroing took both
+    of the host's cores (QEMU 0028)."""
 
     def __init__(self, target: int, fast: int, loss: float, period: float, floor: int) -> None:
-        super().__init__(target, fast, 1.0, fast, 0.0)
-        self.loss, self.period, self.floor = loss, period, floor
+        super().__init__(target)
+        self.fast, self.loss, self.period, self.floor = fast, loss, period, floor
         self.fall_start: float | None = None
 
     def fall(self) -> None:
@@ -134,7 +144,7 @@ class FallingLink(FluctuatingLink):
 
 
 @contextmanager
-def relay(link: FluctuatingLink) -> Iterator[FluctuatingLink]:
+def relay(link: Relay) -> Iterator[Relay]:
     thread = threading.Thread(target=link.accept_loop, daemon=True)
     thread.start()
     try:
@@ -164,7 +174,7 @@ def start_pair(make_vm: VMFactory, name: str, seed: int) -> tuple[VM, VM]:
 def test_sparse_migration_keeps_to_the_downtime_limit_on_a_falling_link(
     make_vm: VMFactory,
 ) -> None:
-    """The rate falls by a third every 300 ms from when ~100 MiB are left:
+    """The rate falls by a third every 300 ms from when FALL_AT are left:
     budgeted with its slowest sample (QEMU 0025 alone), the stop meets a
     rate lower than any sample and overruns the limit."""
     src, dst = start_pair(make_vm, "falling", seed=23)

@@ -25,7 +25,7 @@ from thinvm.balance.backends import HeldByOperator, HostSource, VmBackend, VmGon
 from thinvm.balance.model import Decision, HostSample, VmLimits, VmSample, VmState
 from thinvm.balance.policies import Inputs, Policy
 from thinvm.errors import AgentBusy, ThinvmError
-from thinvm.paths import cache_dir
+from thinvm.paths import cache_dir, write_json_atomic
 from thinvm.units import format_size
 
 STATE_VERSION = 1
@@ -37,16 +37,6 @@ def default_state_path() -> Path:
 
 def _stamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w") as out:
-        json.dump(data, out, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -52,7 +52,7 @@ from pathlib import Path
 from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator, hostcgroups, pki
 from thinvm.guest import image as guest_image
-from thinvm.paths import REPO, cache_dir
+from thinvm.paths import REPO, cache_dir, write_json_atomic
 from thinvm.progress import ProgressLine
 
 NS_PREFIX = "thinvm-"  # + "h1".."hN" and "fabric"; see ns_prefix()
@@ -486,10 +486,8 @@ def load_state(root: Path | None = None) -> ClusterState:
 
 
 def _save_state(root: Path, state: ClusterState) -> None:
-    tmp = state_path(root).with_suffix(".tmp")
     data = {"hosts": [asdict(h) for h in state.hosts], "link": state.link, "pids": state.pids}
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(state_path(root))
+    write_json_atomic(state_path(root), data)
 
 
 def _make_fabric(hosts: Sequence[Host], link: str | None, fabric: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from thinvm.host.hugepages import hugepages_free
 from thinvm.host.memory import host_meminfo
 from thinvm.host.mounts import Mount, mount_of, mounts
-from thinvm.paths import cache_dir
+from thinvm.paths import cache_dir, write_json_atomic
 from thinvm.pool.files import PAGE_SIZE
 from thinvm.pool.model import KINDS, Policy, PoolConfig, PoolError, PoolState, Slot
 from thinvm.units import format_size
@@ -95,9 +95,7 @@ class Pool:
             ) from None
 
     def _store(self, state: PoolState) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state.to_json(), indent=2) + "\n")
-        os.replace(tmp, self.state_file)
+        write_json_atomic(self.state_file, state.to_json())
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[PoolState]:

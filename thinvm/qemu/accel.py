@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from thinvm.errors import ThinvmError
-from thinvm.paths import cache_dir
+from thinvm.paths import cache_dir, write_json_atomic
 from thinvm.qemu.builds import QemuBuild
 
 ACCELS = ("auto", "tcg", "kvm")
@@ -123,9 +123,7 @@ def probe_cached(build: QemuBuild) -> dict[str, object]:
     # Read again: another process may have probed another build meanwhile.
     verdicts = _read_verdicts(path)
     verdicts[binary] = {**identity, "result": result}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"verdicts": verdicts}, indent=2))
-    tmp.replace(path)  # readers never see half a file
+    write_json_atomic(path, {"verdicts": verdicts})
     return result
 
 

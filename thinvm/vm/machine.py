@@ -35,7 +35,7 @@ from thinvm.guest.image import (
 )
 from thinvm.host.locks import FileLock
 from thinvm.host.memory import HostMemory, host_meminfo, process_memory
-from thinvm.paths import cache_dir
+from thinvm.paths import cache_dir, write_json_atomic
 from thinvm.pool import lease as pool_lease
 from thinvm.pool.model import PoolEmpty
 from thinvm.qemu import accel as accel_mod
@@ -757,9 +757,7 @@ class VM:
             "build": self.config.build,
             "operator_target": self.operator_target,
         }
-        tmp = self.rundir / f".state.json.{os.getpid()}"
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.rundir / "state.json")
+        write_json_atomic(self.rundir / "state.json", state)
 
     @classmethod
     def attach(cls, rundir: Path, monitor: bool = True) -> "VM":
