@@ -103,9 +103,9 @@ GUEST_CONSOLE_ARGS = "console=ttyS0 no_timer_check"
 # uses the HPET only until the local APIC timer takes over, and then
 # disables its interrupt but leaves the comparator periodic: QEMU keeps
 # firing it at the guest's HZ in the main loop.  An idle 1 GiB busybox
-# guest cost its QEMU 4.0-5.1% of a host CPU with the HPET and 0.5-0.7%
-# without it (6.1 and 6.12 under TCG, 15 s samples, 2026-11-27): CPU a
-# host of idle guests gets back.
+# guest cost its QEMU 4.1-5.4% of a host CPU with the HPET and 0.5-0.7%
+# without it, a Debian one 5.5-5.9% and 0.9-1.3% (TCG, 2026-11-27,
+# docs/architecture.md): CPU a host of idle guests gets back.
 MACHINE = "q35,hpet=off"
 
 
