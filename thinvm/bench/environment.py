@@ -13,7 +13,7 @@ from thinvm.host.memory import host_meminfo
 from thinvm.paths import REPO
 from thinvm.qemu import accel as accel_mod
 from thinvm.qemu import builds
-from thinvm.vm.machine import TCG_CPU
+from thinvm.vm.machine import MACHINE, TCG_CPU
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -87,4 +87,6 @@ def guest_environment(build: str, kernel: str, driver: str, accel: str) -> dict[
         # Records before 2026-11-27 ran TCG guests on plain "max", whose
         # byte-wise string ops made guest memory work 2-3x dearer.
         "guest_cpu": TCG_CPU if resolved == "tcg" else "host",
+        # Records before 2026-11-27 15:00 UTC ran guests with q35's HPET.
+        "guest_machine": MACHINE,
     }
