@@ -41,6 +41,13 @@ def _option(args: list[str], flag: str) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args) if a == flag]
 
 
+def test_guests_run_without_the_hpet() -> None:
+    """Linux leaves the HPET periodic after boot and QEMU kept firing it:
+    4-6% of a host CPU per idle guest (docs/architecture.md)."""
+    (machine,) = _option(_vm(VMConfig()).command_line(), "-machine")
+    assert "hpet=off" in machine.split(",")
+
+
 def test_free_page_hint_gets_an_iothread() -> None:
     config = VMConfig(balloon=BalloonOptions(free_page_hint=True, free_page_reporting=True))
     args = _vm(config).command_line()

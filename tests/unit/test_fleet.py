@@ -62,6 +62,12 @@ def test_thinvm_domain_has_every_feature() -> None:
     assert root.find("features/acpi") is not None
 
 
+def test_domains_have_no_hpet() -> None:
+    for s in (spec(sparse_ram="sparse-ram"), spec(ranges=False, sparse_ram=None)):
+        timer = parse(s).find("clock/timer[@name='hpet']")
+        assert timer is not None and timer.get("present") == "no"
+
+
 def test_stock_best_domain_hints_on_an_iothread_without_thinvm_parts() -> None:
     root = parse(spec(ranges=False, sparse_ram=None, free_page_hint=True))
     assert "-global" not in [a.get("value") for a in root.iter(f"{Q}arg")]
