@@ -1,5 +1,6 @@
 """A real Debian guest under QEMU (TCG): agent, balloon, statistics, reporting."""
 
+import os
 import time
 
 import pytest
@@ -7,13 +8,14 @@ import pytest
 from tests.conftest import VMFactory
 from thinvm.guest import workload
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import balloon
+from thinvm.vm import balloon, bootcache
 from thinvm.vm.machine import BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 
 
-def test_boot_and_agent_round_trip(make_vm: VMFactory) -> None:
+def test_boot_and_agent_round_trip(make_vm: VMFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(bootcache.ENV)  # a boot, not a kept one
     vm = make_vm(VMConfig(name="boot", memory=1 * GiB))
     assert vm.accel == "tcg"  # /dev/kvm here is far slower than TCG
     # Without ERMS/FSRM the guest's kernel copies and zeroes memory by
@@ -25,6 +27,33 @@ def test_boot_and_agent_round_trip(make_vm: VMFactory) -> None:
     big = vm.agent.check("head -c 300000 /dev/zero | tr '\\0' x").stdout
     assert big == "x" * 300000
     assert "virtio_balloon" in vm.agent.check("cat /proc/modules").stdout
+
+
+def test_a_kept_boot_is_the_guest_a_boot_gives(
+    make_vm: VMFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guest loaded from a kept boot (bootcache) is the guest a boot
+    gives: the same kernel, command line, modules and memory, its clock
+    set from the host's, our balloon driver answering, and the host
+    holding no more for it."""
+    config = VMConfig(
+        name="kept", memory=1 * GiB, build="patched", guest_driver="thinvm",
+        balloon=BalloonOptions(free_page_reporting=True, ranges=True),
+    )  # fmt: skip
+    kept_in = os.environ[bootcache.ENV]
+    monkeypatch.delenv(bootcache.ENV)
+    booted = make_vm(config)
+    monkeypatch.setenv(bootcache.ENV, kept_in)
+    kept = make_vm(config)
+    assert not (booted.rundir / "serial-boot.log").exists()
+    assert (kept.rundir / "serial-boot.log").is_file()  # loaded, not booted
+    assert kept.qmp("query-migrate").get("status") == "completed"  # the load
+    probe = "uname -r; cat /proc/cmdline; cut -d' ' -f1 /proc/modules; grep Tot /proc/meminfo"
+    assert kept.agent.check(probe).stdout == booted.agent.check(probe).stdout
+    assert abs(int(kept.agent.check("date +%s").stdout) - time.time()) < 30
+    assert kept.host_memory().rss <= booted.host_memory().rss + 16 * MiB
+    balloon.set_target(kept, 768 * MiB)
+    balloon.wait_actual(kept, 768 * MiB)
 
 
 def test_inflate_returns_memory_to_host_and_deflate_restores(make_vm: VMFactory) -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +43,7 @@ from thinvm.qemu import accel as accel_mod
 from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
+from thinvm.vm import bootcache
 
 AGENT_PORT_NAME = "org.thinvm.agent"
 # The range balloon stays experimental in QEMU ("x-") until the virtio
@@ -64,6 +66,9 @@ VIRTIO_MEM_BLOCK_SIZE = 2 * MiB
 # busybox guest has no udev), and into ZONE_MOVABLE, so that it can be
 # unplugged again: Debian's 6.1 leaves hotplugged memory offline by default.
 VIRTIO_MEM_KERNEL_ARGS = "memhp_default_state=online_movable"
+# The VM that boots a guest whose state bootcache keeps.
+BOOT_TEMPLATE_NAME = "boot-template"
+KEPT_BOOT_TIMEOUT = 120.0  # saving or loading a kept boot (~0.5 s)
 MIN_MEMORY = 256 * MiB
 # Guest images (VMConfig.image): the busybox initramfs (guest/image/build.sh)
 # and the Debian 12 disk image (guest/image/build-disk.sh), whose balloon
@@ -305,6 +310,8 @@ class VM:
         # A balloon target an operator set with `thinvm balloon`: the
         # controller leaves the VM there until `thinvm balloon NAME auto`.
         self.operator_target: int | None = None
+        # Load a kept boot of this guest if there is one (bootcache).
+        self.keep_boot = True
 
     # -- paths -------------------------------------------------------------
     @property
@@ -437,7 +444,8 @@ class VM:
         kernel = ["-kernel", str(boot), "-initrd", str(self.image.initrd)]
         return [*kernel, "-append", append, *drive]
 
-    def command_line(self) -> list[str]:
+    def command_line(self, restore: bool = False) -> list[str]:
+        """QEMU's arguments; `restore`: to load a kept boot (bootcache)."""
         assert self.build is not None and self.image is not None
         cfg = self.config
         args = [
@@ -471,7 +479,7 @@ class VM:
             "-pidfile",
             str(self.rundir / "qemu.pid"),
         ]
-        if self.incoming:
+        if self.incoming or restore:
             args += ["-incoming", "defer"]
         return [*args, *cfg.extra_args]
 
@@ -543,11 +551,11 @@ class VM:
             pool_lease.release_vm(self.config.pool, self.pool_lease, self.pid)
             self.pool_lease = None
 
-    def _spawn(self) -> None:
+    def _spawn(self, restore: bool = False) -> None:
         log = open(self.qemu_log, "wb")  # noqa: SIM115 - handed to the child
         try:
             self.process = subprocess.Popen(
-                self.command_line(),
+                self.command_line(restore),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -613,21 +621,110 @@ class VM:
                 )
 
     def start(self, wait_agent: bool = True) -> "VM":
-        """Launch QEMU; unless incoming, wait until the guest agent answers."""
+        """Launch QEMU; unless incoming, wait until the guest agent answers.
+
+        With a boot cache (bootcache), a guest booted before in the same
+        configuration is loaded from its state after that boot instead.
+        """
         self.check_socket_paths()
         self.rundir.mkdir(parents=True, exist_ok=True)
         self._resolve()
         started = time.monotonic()
-        self._spawn()
+        kept = self._kept_boot() if wait_agent and not self.incoming else None
+        self._spawn(restore=kept is not None)
         try:
             self._wait_for_qmp()
+            if kept is not None:
+                self._load_kept_boot(kept)
             if wait_agent and not self.incoming:
                 self.wait_agent()
+                if kept is not None:
+                    # The guest's clock stopped when its state was saved.
+                    self.agent.check(f"date -s @{int(time.time())} >/dev/null")
                 self.boot_seconds = time.monotonic() - started
         except BaseException:
             self.kill()
             raise
         return self
+
+    # -- kept boots (bootcache) --------------------------------------------
+    def _boot_key(self) -> str:
+        assert self.build is not None and self.image is not None
+        files = [self.build.binary, pvh.kernel_for(self.image.kernel), self.image.initrd]
+        return bootcache.guest_key(self.command_line(), self.config.name, self.rundir, files)
+
+    def _kept_boot(self) -> Path | None:
+        """The kept boot of this guest, made now if there is none; None:
+        boot the guest (no boot cache, a guest not kept, or no template)."""
+        root = bootcache.cache_root()
+        if root is None or not self.keep_boot:
+            return None
+        if not bootcache.kept_kind(self.config, self.accel):
+            return None
+        key = self._boot_key()
+        entry = bootcache.entry_dir(root, key)
+        if not bootcache.is_complete(entry):
+            try:
+                lock = bootcache.creation_lock(root, key)
+                try:
+                    if not bootcache.is_complete(entry):
+                        self._keep_boot(entry, key)
+                finally:
+                    lock.release()
+            except (ThinvmError, TimeoutError) as exc:
+                # Booting this guest will say what is wrong, in its context.
+                print(f"thinvm: {self.config.name}: no kept boot: {exc}", file=sys.stderr)
+                return None
+        bootcache.mark_used(entry)
+        return entry
+
+    def _keep_boot(self, entry: Path, key: str) -> None:
+        """Boot a template of this guest and keep its state in `entry`."""
+        template = VM(replace(self.config, name=BOOT_TEMPLATE_NAME, memory_cgroup=None))
+        template.keep_boot = False
+        partial = entry.with_name(f"{entry.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            template.start()
+            if template._boot_key() != key:
+                raise ThinvmError("the boot template's QEMU command line differs from the guest's")
+            template.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
+            template.qmp("stop")
+            template.qmp("migrate", uri=f"file:{partial / bootcache.STATE_FILE}")
+            template.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
+            shutil.copy(template.serial_log, partial / bootcache.SERIAL_FILE)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        finally:
+            template.kill()
+        partial.rename(entry)
+        bootcache.remove_stale(entry.parent)
+
+    def _load_kept_boot(self, entry: Path) -> None:
+        """Load a kept boot into this QEMU (-incoming defer), and run it."""
+        try:
+            self.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
+            self.qmp("migrate-incoming", uri=f"file:{entry / bootcache.STATE_FILE}")
+            self.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
+        except ThinvmError as exc:
+            # Not kept for the next guest: it boots, and keeps a new one.
+            shutil.rmtree(entry, ignore_errors=True)
+            raise ThinvmError(f"loading the kept boot {entry} failed: {exc}") from exc
+        # The guest's own migrations go over sockets, which mapped-ram refuses.
+        self.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(False)])
+        self.qmp("cont")
+        shutil.copy(entry / bootcache.SERIAL_FILE, self.rundir / "serial-boot.log")
+
+    def wait_migration_status(self, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
+        """Poll query-migrate until its status is one of `wanted`."""
+        deadline = time.monotonic() + timeout
+        while (status := str(self.qmp("query-migrate").get("status"))) not in wanted:
+            if status in ("failed", "cancelled") or time.monotonic() > deadline:
+                raise ThinvmError(f"migration is {status!r}, expected one of {', '.join(wanted)}")
+            time.sleep(0.02)
+        return status
 
     def _serial_tail(self, lines: int = 15) -> str:
         try:
@@ -791,6 +888,10 @@ class VM:
         if monitor:
             vm.connect_monitor()
         return vm
+
+
+def _mapped_ram(on: bool) -> dict[str, Any]:
+    return {"capability": "mapped-ram", "state": on}
 
 
 def _monitor_lock_path(sock: Path) -> Path:

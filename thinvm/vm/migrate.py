@@ -119,12 +119,7 @@ def start_postcopy(src: VM, timeout: float = 60.0) -> None:
 
 def wait_source_status(src: VM, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
     """Poll the source's query-migrate until its status is one of `wanted`."""
-    deadline = time.monotonic() + timeout
-    while (status := str(src.qmp("query-migrate").get("status"))) not in wanted:
-        if status in ("failed", "cancelled") or time.monotonic() > deadline:
-            raise ThinvmError(f"migration is {status!r}, expected one of {', '.join(wanted)}")
-        time.sleep(0.05)
-    return status
+    return src.wait_migration_status(wanted, timeout)
 
 
 def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
