@@ -101,8 +101,8 @@ def remove(h: Host, name: str) -> None:
 class SharedGuest:
     """The module's standard guest (6.1, thinvm features, MEMORY), booted
     once for the tests that need nothing else, one after the other (the
-    controller's, then the migrations', which removes it): a boot of the
-    Debian image costs ~40 s of a CPU under TCG.  A test finds it wherever
+    controller's, the faults', then the migrations', which removes it): a
+    boot of the Debian image costs ~40 s of a CPU under TCG.  A test finds it wherever
     the one before left it; one that a failed test left dead is booted
     again, so a failure does not cascade."""
 
@@ -235,6 +235,67 @@ def test_balance_controller_drives_a_libvirt_domain(
         if guest.domstate(h1, name) == "running":
             virsh(h1, "setmem", name, str(MEMORY // KiB), "--live")
             wait_for(lambda: memstat(h1, name)["actual"] == MEMORY // KiB, "balloon deflated")
+
+
+def test_faults_at_the_destination_leave_the_guest_on_the_source(
+    fleet: ClusterState, shared_guest: SharedGuest
+) -> None:
+    """A refusing destination (stock QEMU), a destination QEMU killed and a
+    destination libvirtd killed mid-migration: each time the guest keeps
+    running on the source with its data, and the destination is left
+    with no domain and no QEMU (for the daemon: once it is back, libvirt
+    removes the half-migrated guest).  Then the guest still migrates.
+    (h1 and h2 stand for whichever of the two thinvm hosts the shared
+    guest is on, and the other; h3 runs stock QEMU.)"""
+    name = shared_guest.name
+    h1 = shared_guest.running()
+    h2, h3 = shared_guest.other(h1), fleet.host("h3")
+    root = Path(h1.root).parent.parent
+    in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 4")
+
+    # libvirt refuses before starting a QEMU on h3: its stock emulator
+    # lacks the machine type the guest's page ranges come with.
+    with pytest.raises(
+        ThinvmError, match=r"does not have the pc-q35-10\.0-thinvm machine type"
+    ) as err:
+        migrate.migrate(h1, h3, name)
+    assert f"still running on {h1.name}" in str(err.value)
+    assert guest.domstate(h3, name) == "absent" and not qemu_pids_in(h3)
+    assert guest.domstate(h1, name) == "running"
+    verify_pattern(h1, name, 4)
+
+    def kill_qemu() -> list[int]:
+        pids = qemu_pids_in(h2)
+        for pid in pids:
+            os.kill(pid, 9)
+        return pids
+
+    killed = migrate_while(h1, h2, name, kill_qemu)
+    assert killed, "the destination QEMU never appeared"
+    wait_for(lambda: not qemu_pids_in(h2), f"{h2.name} to have no QEMU")
+    assert guest.domstate(h2, name) == "absent"
+    assert guest.domstate(h1, name) == "running"
+    verify_pattern(h1, name, 4)
+
+    # Once libvirt has recorded the incoming domain (its status file):
+    # killed before that, the daemon cannot know the QEMU is its own.
+    status = Path(h2.root) / "run" / "qemu" / f"{name}.xml"
+
+    def kill_daemon() -> list[int]:
+        if qemu_pids_in(h2) and status.exists():
+            return [cluster.kill_daemon(h2.name, root)]
+        return []
+
+    killed = migrate_while(h1, h2, name, kill_daemon)
+    assert killed, "the destination QEMU never appeared"
+    assert guest.domstate(h1, name) == "running"
+    verify_pattern(h1, name, 4)
+    cluster.restart_daemon(h2.name, root)
+    wait_for(lambda: not qemu_pids_in(h2), f"libvirt to remove the incoming QEMU on {h2.name}")
+    wait_for(lambda: guest.domstate(h2, name) == "absent", "libvirt to forget the domain")
+
+    migrate.migrate(h1, h2, name)
+    verify_pattern(h2, name, 4)
 
 
 def test_setmem_migrate_back_and_forth_save_restore(
@@ -371,8 +432,10 @@ def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
         virsh(h1, "update-memory-device", name, "--alias", VIRTIO_MEM_ALIAS,
               "--requested-size", size, "--live")  # fmt: skip
 
-    start(fleet, images, name, virtio_mem=512 * MiB)
+    # The 6.12 (backports) image: its boot is checked here.
+    start(fleet, images, name, kernel="6.12", virtio_mem=512 * MiB)
     try:
+        assert_booted_with_the_dkms_driver(h1, name, images["6.12"])
         base = mem_total(h1)
         # Debian's udev loads virtio_mem; the domain's command line onlines
         # what it plugs as movable.
@@ -412,71 +475,6 @@ def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
         assert mem_total(h2) == shrunk
         sent = migrate.job_bytes(there.job)
         assert sent is not None and sent < MEMORY + 128 * MiB, there.job
-    finally:
-        remove(h1, name)
-        remove(h2, name)
-
-
-def test_faults_at_the_destination_leave_the_guest_on_the_source(
-    fleet: ClusterState, images: dict[str, guest_image.DiskImage]
-) -> None:
-    """A refusing destination (stock QEMU), a destination QEMU killed and a
-    destination libvirtd killed mid-migration: each time the guest keeps
-    running on the source with its data, and the destination is left
-    with no domain and no QEMU (for the daemon: once it is back, libvirt
-    removes the half-migrated guest).  Then the guest still migrates."""
-    name = "faults"
-    h1, h2, h3 = fleet.host("h1"), fleet.host("h2"), fleet.host("h3")
-    root = Path(h1.root).parent.parent
-    # The 6.12 (backports) image: its boot is checked here.
-    start(fleet, images, name, kernel="6.12")
-    try:
-        assert_booted_with_the_dkms_driver(h1, name, images["6.12"])
-        in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 4")
-
-        # libvirt refuses before starting a QEMU on h3: its stock emulator
-        # lacks the machine type the guest's page ranges come with.
-        with pytest.raises(
-            ThinvmError, match=r"does not have the pc-q35-10\.0-thinvm machine type"
-        ) as err:
-            migrate.migrate(h1, h3, name)
-        assert f"still running on {h1.name}" in str(err.value)
-        assert guest.domstate(h3, name) == "absent" and not qemu_pids_in(h3)
-        assert guest.domstate(h1, name) == "running"
-        verify_pattern(h1, name, 4)
-
-        def kill_qemu() -> list[int]:
-            pids = qemu_pids_in(h2)
-            for pid in pids:
-                os.kill(pid, 9)
-            return pids
-
-        killed = migrate_while(h1, h2, name, kill_qemu)
-        assert killed, "the destination QEMU never appeared"
-        wait_for(lambda: not qemu_pids_in(h2), "h2 to have no QEMU")
-        assert guest.domstate(h2, name) == "absent"
-        assert guest.domstate(h1, name) == "running"
-        verify_pattern(h1, name, 4)
-
-        # Once libvirt has recorded the incoming domain (its status file):
-        # killed before that, the daemon cannot know the QEMU is its own.
-        status = Path(h2.root) / "run" / "qemu" / f"{name}.xml"
-
-        def kill_daemon() -> list[int]:
-            if qemu_pids_in(h2) and status.exists():
-                return [cluster.kill_daemon("h2", root)]
-            return []
-
-        killed = migrate_while(h1, h2, name, kill_daemon)
-        assert killed, "the destination QEMU never appeared"
-        assert guest.domstate(h1, name) == "running"
-        verify_pattern(h1, name, 4)
-        cluster.restart_daemon("h2", root)
-        wait_for(lambda: not qemu_pids_in(h2), "libvirt to remove the incoming QEMU on h2")
-        wait_for(lambda: guest.domstate(h2, name) == "absent", "libvirt to forget the domain")
-
-        migrate.migrate(h1, h2, name)
-        verify_pattern(h2, name, 4)
     finally:
         remove(h1, name)
         remove(h2, name)
