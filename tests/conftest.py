@@ -53,33 +53,33 @@ os.environ.setdefault(
 # and initrd files and the command line; tests about booting unset it.
 os.environ.setdefault(bootcache.ENV, str(cache_dir() / "booted"))
 
-# Seconds each module's tests took in a `make test` (2026-11-27, junit
-# times of a clean-clone run), heaviest first.  `make test` runs
-# pytest-xdist with --dist loadfile --no-loadscope-reorder, which hands
-# out whole modules in collection order; xdist's own order (most tests
-# first) left the heavy modules with few tests for last, and one worker
-# ran on ~95 s after the others had finished.  Modules not listed (quick
-# unit tests) go last.
+# Seconds each module's tests took in a `make test` (2026-11-27 evening,
+# junit times of a clean-clone run with kept boots), heaviest first.
+# `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder,
+# which hands out whole modules in collection order; xdist's own order
+# (most tests first) left the heavy modules with few tests for last, and
+# one worker ran on ~95 s after the others had finished.  Modules not
+# listed (quick unit tests) go last.
 MODULE_SECONDS = {
-    "tests/integration/test_fleet.py": 442,
-    "tests/integration/test_packaged_cluster.py": 362,
-    "tests/integration/test_sparse_migration.py": 353,
-    "tests/integration/test_balance.py": 280,
-    "tests/integration/test_guest_driver.py": 223,
-    "tests/integration/test_pool.py": 212,
-    "tests/integration/test_bench.py": 203,
-    "tests/integration/test_resize.py": 167,
-    "tests/integration/test_trim.py": 149,
-    "tests/integration/test_readme.py": 100,
-    "tests/integration/test_guest.py": 63,
-    "tests/integration/test_packages.py": 63,
-    "tests/unit/test_qtests_sparse_discard_files.py": 62,
-    "tests/unit/test_qtests_postcopy.py": 44,
-    "tests/unit/test_qtests_precopy.py": 40,
-    "tests/integration/test_cli.py": 36,
+    "tests/integration/test_fleet.py": 322,
+    "tests/integration/test_packaged_cluster.py": 219,
+    "tests/integration/test_sparse_migration.py": 217,
+    "tests/integration/test_balance.py": 184,
+    "tests/integration/test_bench.py": 141,
+    "tests/integration/test_pool.py": 138,
+    "tests/integration/test_trim.py": 121,
+    "tests/integration/test_readme.py": 86,
+    "tests/integration/test_resize.py": 82,
+    "tests/integration/test_guest_driver.py": 77,
+    "tests/unit/test_qtests_sparse_discard_files.py": 66,
+    "tests/integration/test_packages.py": 56,
+    "tests/unit/test_qtests_precopy.py": 44,
+    "tests/unit/test_qtests_postcopy.py": 39,
     "tests/integration/test_downtime.py": 32,
-    "tests/integration/test_migration.py": 24,
-    "tests/unit/test_qemu_patches.py": 23,
+    "tests/integration/test_cli.py": 31,
+    "tests/integration/test_guest.py": 28,
+    "tests/unit/test_qemu_patches.py": 16,
+    "tests/integration/test_migration.py": 12,
 }
 
 

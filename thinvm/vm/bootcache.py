@@ -11,10 +11,11 @@ data, in a mapped-ram file).
 "The same guest" is strict: the same QEMU command line but for the VM's
 name and run directory (neither reaches the guest), and the same QEMU
 binary, kernel and initrd files (size and modification time).  A guest
-is kept only where its state is all in its RAM and devices: no disk, no
-preallocated, file-backed or pooled RAM (tests about those look at how
-the host backs the memory), and no free page hinting (saving the state is
-a migration, which would start a hinting round in the guest).
+is kept only where its state is all in its RAM and devices: no disk, and
+no preallocated, file-backed or pooled RAM (tests about those look at how
+the host backs the memory).  Saving the state is a migration of a stopped
+guest: with free page hinting, the device asks the guest for hints and
+ends the round before the guest runs again, as after any migration.
 
 What a loaded guest differs in from a booted one: the host holds only
 the pages with data (a boot also leaves pages the guest zeroed or freed),
@@ -61,7 +62,6 @@ def kept_kind(config: "VMConfig", accel: str | None) -> bool:
         and not config.prealloc
         and config.pool is None
         and not config.extra_args
-        and not config.balloon.free_page_hint
     )
 
 
