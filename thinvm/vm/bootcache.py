@@ -5,8 +5,8 @@ For the test suite (THINVM_BOOT_CACHE=DIR, set by tests/conftest.py), not
 for users: under TCG a busybox guest's boot costs its QEMU 3-7 s of CPU to
 its agent, and the suite boots some ninety of them on two CPUs.  Loading
 the state of the same guest, saved when its agent first answered, costs
-0.1-0.3 s (measured 2026-11-27, 1 GiB 6.1 guest: 79 MiB of pages with
-data, in a mapped-ram file).
+0.1-0.6 s (measured 2026-11-27, 1 GiB 6.1 and 6.12 guests, stock and
+patched QEMU: ~80 MiB of pages with data, in a mapped-ram file).
 
 "The same guest" is strict: the same QEMU command line but for the VM's
 name and run directory (neither reaches the guest), and the same QEMU
@@ -77,10 +77,6 @@ def guest_key(command_line: list[str], name: str, rundir: Path, files: list[Path
         st = path.stat()
         digest.update(f"{path} {st.st_size} {st.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:32]
-
-
-def entry_dir(root: Path, key: str) -> Path:
-    return root / key
 
 
 def is_complete(entry: Path) -> bool:

@@ -662,7 +662,7 @@ class VM:
         if not bootcache.kept_kind(self.config, self.accel):
             return None
         key = self._boot_key()
-        entry = bootcache.entry_dir(root, key)
+        entry = root / key
         if not bootcache.is_complete(entry):
             try:
                 lock = bootcache.creation_lock(root, key)
