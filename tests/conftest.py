@@ -51,6 +51,8 @@ os.environ.setdefault(
 # state (thinvm.vm.bootcache: 0.1-0.6 s of QEMU CPU to the agent, against
 # 3-7 s for a boot under TCG).  Kept across runs, keyed by the QEMU, kernel
 # and initrd files and the command line; tests about booting unset it.
+# The Debian guests under libvirt are kept too, by `virsh save` (the tests
+# start them with thinvm.fleet.keptboot: ~1-3 s against ~33 s for a boot).
 os.environ.setdefault(bootcache.ENV, str(cache_dir() / "booted"))
 
 # Seconds each module's tests took in a `make test` (2026-11-27 evening,

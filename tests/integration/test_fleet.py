@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import assert_only_cluster_clients, memstat, thinvm_cli, wait_for
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet import cluster, emulator, guest, keptboot, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest import image as guest_image
@@ -86,8 +86,7 @@ def start(state: ClusterState, images: dict[str, guest_image.DiskImage], name: s
         cluster.shared_dir(Path(h.root).parent.parent),
     )
     guest.define(h, spec, images[kernel])
-    virsh(h, "start", name)
-    guest.wait_booted(h, name)
+    keptboot.start_domain(h, name, images[kernel])
     return h
 
 
@@ -178,9 +177,10 @@ def is_qemu(pid: int) -> bool:
 
 
 def assert_booted_with_the_dkms_driver(h: Host, name: str, image: guest_image.DiskImage) -> None:
-    """The domain boots the installed image with our DKMS-built driver.
-    Checked in the tests that boot a guest anyway (6.1 and 6.12), since a
-    boot of the Debian image costs ~45 s of a CPU under TCG."""
+    """The domain booted the installed image with our DKMS-built driver.
+    Checked in the tests that start a guest anyway (6.1 and 6.12), since a
+    boot of the Debian image costs ~33 s of a CPU under TCG (a restored
+    kept boot, thinvm.fleet.keptboot, is that boot's state)."""
     # The images QEMU reads are installed outside /root, for anyone to read.
     assert image.directory.parent == guest_image.IMAGES_DIR, image
     for path in (image.vmlinuz, image.boot_kernel, image.initrd, image.disk):
@@ -432,7 +432,7 @@ def test_virtio_mem_domain_is_resized_by_libvirt_and_migrates_shrunk(
         virsh(h1, "update-memory-device", name, "--alias", VIRTIO_MEM_ALIAS,
               "--requested-size", size, "--live")  # fmt: skip
 
-    # The 6.12 (backports) image: its boot is checked here.
+    # The 6.12 (backports) image: what its boot gave is checked here.
     start(fleet, images, name, kernel="6.12", virtio_mem=512 * MiB)
     try:
         assert_booted_with_the_dkms_driver(h1, name, images["6.12"])
