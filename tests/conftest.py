@@ -55,33 +55,33 @@ os.environ.setdefault(
 # start them with thinvm.fleet.keptboot: ~1-3 s against ~33 s for a boot).
 os.environ.setdefault(bootcache.ENV, str(cache_dir() / "booted"))
 
-# Seconds each module's tests took in a `make test` (2026-11-27 evening,
-# junit times of a clean-clone run with kept boots), heaviest first.
+# Seconds each module's tests took in a `make test` (2026-11-27, 20:03, a
+# run with kept boots of busybox and libvirt guests), heaviest first.
 # `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder,
 # which hands out whole modules in collection order; xdist's own order
 # (most tests first) left the heavy modules with few tests for last, and
 # one worker ran on ~95 s after the others had finished.  Modules not
 # listed (quick unit tests) go last.
 MODULE_SECONDS = {
-    "tests/integration/test_fleet.py": 322,
-    "tests/integration/test_packaged_cluster.py": 219,
-    "tests/integration/test_sparse_migration.py": 217,
-    "tests/integration/test_balance.py": 184,
-    "tests/integration/test_bench.py": 141,
-    "tests/integration/test_pool.py": 138,
-    "tests/integration/test_trim.py": 121,
-    "tests/integration/test_readme.py": 86,
-    "tests/integration/test_resize.py": 82,
-    "tests/integration/test_guest_driver.py": 77,
-    "tests/unit/test_qtests_sparse_discard_files.py": 66,
-    "tests/integration/test_packages.py": 56,
-    "tests/unit/test_qtests_precopy.py": 44,
-    "tests/unit/test_qtests_postcopy.py": 39,
-    "tests/integration/test_downtime.py": 32,
-    "tests/integration/test_cli.py": 31,
-    "tests/integration/test_guest.py": 28,
-    "tests/unit/test_qemu_patches.py": 16,
-    "tests/integration/test_migration.py": 12,
+    "tests/integration/test_sparse_migration.py": 174,
+    "tests/integration/test_fleet.py": 173,
+    "tests/integration/test_balance.py": 164,
+    "tests/integration/test_pool.py": 131,
+    "tests/integration/test_trim.py": 126,
+    "tests/integration/test_bench.py": 115,
+    "tests/integration/test_packaged_cluster.py": 105,
+    "tests/integration/test_readme.py": 85,
+    "tests/integration/test_guest_driver.py": 75,
+    "tests/integration/test_resize.py": 74,
+    "tests/unit/test_qtests_sparse_discard_files.py": 61,
+    "tests/integration/test_packages.py": 59,
+    "tests/unit/test_qtests_precopy.py": 35,
+    "tests/integration/test_downtime.py": 31,
+    "tests/unit/test_qtests_postcopy.py": 29,
+    "tests/integration/test_guest.py": 25,
+    "tests/unit/test_qemu_patches.py": 22,
+    "tests/integration/test_cli.py": 21,
+    "tests/integration/test_migration.py": 7,
 }
 
 
