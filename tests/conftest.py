@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from thinvm.fleet import pki
+from thinvm.fleet import keptboot, pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.guest import pvh
+from thinvm.guest.image import DiskImage
 from thinvm.paths import cache_dir
 from thinvm.vm import bootcache
 from thinvm.vm.machine import GUEST_APPEND_ENV, VM, VMConfig
@@ -102,6 +103,16 @@ def qemu_pids(name: str | None = None) -> set[int]:
         cmd = ["pgrep", "-f", f"qemu-system-x86_64 -name thinvm-{name} "]
     out = subprocess.run(cmd, capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
+
+
+def start_domain(h: Host, name: str, image: DiskImage) -> None:
+    """Start a defined Debian domain as the suite does (thinvm.fleet.keptboot):
+    restored from its kept boot, which libvirt must say it was, so that a
+    restore falling back to a boot every time cannot go unnoticed."""
+    keptboot.start_domain(h, name, image)
+    if bootcache.cache_root() is not None:
+        reason = virsh(h, "domstate", "--reason", name).strip()
+        assert reason == "running (restored)", f"{name} on {h.name}: {reason}"
 
 
 # What a thinvm command must never print: a traceback, or asyncio's

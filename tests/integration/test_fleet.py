@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_only_cluster_clients, memstat, thinvm_cli, wait_for
+from tests.conftest import (
+    assert_only_cluster_clients,
+    memstat,
+    start_domain,
+    thinvm_cli,
+    wait_for,
+)
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, keptboot, migrate
+from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest import image as guest_image
@@ -86,7 +92,7 @@ def start(state: ClusterState, images: dict[str, guest_image.DiskImage], name: s
         cluster.shared_dir(Path(h.root).parent.parent),
     )
     guest.define(h, spec, images[kernel])
-    keptboot.start_domain(h, name, images[kernel])
+    start_domain(h, name, images[kernel])
     return h
 
 

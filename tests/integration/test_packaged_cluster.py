@@ -25,9 +25,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_only_cluster_clients, memstat, thinvm_cli, wait_for
+from tests.conftest import (
+    assert_only_cluster_clients,
+    memstat,
+    start_domain,
+    thinvm_cli,
+    wait_for,
+)
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, hostcgroups, keptboot, migrate
+from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import BALLOON_QOM_PATH, DomainSpec, is_portable
 from thinvm.guest import image as guest_image
@@ -144,7 +150,7 @@ def start(state: ClusterState, image: guest_image.DiskImage, name: str, host: st
     )
     xml = guest.define(h, spec, image)
     assert "qemu:" not in xml and "libvirt.org/schemas/domain/qemu" not in xml, xml
-    keptboot.start_domain(h, name, image)
+    start_domain(h, name, image)
     return h
 
 
@@ -347,7 +353,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
     assert "qemu:" not in xml and "freePageReporting" not in xml, xml
     assert 'machine="pc-q35-10.0-thinvm"' in xml, xml
     try:
-        keptboot.start_domain(h1, name, image)
+        start_domain(h1, name, image)
         assert qemu_of(h1, name) == (THINVM, cluster.QEMU_USER)
         assert virsh(h1, "ttyconsole", name).strip().startswith("/dev/pts/")
         guest_cgroups_hold(h1, name)

@@ -117,7 +117,7 @@ def _start_kept(root: Path, host: Host, name: str, image: DiskImage) -> float | 
     started = time.monotonic()
     try:
         _restore(host, name, xml, entry)
-    except ThinvmError as exc:
+    except (ThinvmError, OSError) as exc:
         # Not kept for the next domain: this one boots, the next keeps anew.
         shutil.rmtree(entry, ignore_errors=True)
         print(f"thinvm: {name}: restoring {entry} failed, booting: {exc}", file=sys.stderr)
