@@ -67,3 +67,24 @@ def test_entries_not_loaded_for_a_week_go(tmp_path: Path) -> None:
     assert bootcache.remove_stale(tmp_path) == [old]
     assert not old.exists() and not (tmp_path / "old.lock").exists()
     assert bootcache.is_complete(new)
+
+
+def test_an_entry_is_made_once_and_only_when_complete(tmp_path: Path) -> None:
+    made: list[Path] = []
+
+    def make(directory: Path) -> None:
+        made.append(directory)
+        (directory / bootcache.STATE_FILE).write_bytes(b"state")
+
+    entry = bootcache.ensure_entry(tmp_path, "k", make)
+    assert entry == tmp_path / "k" and bootcache.is_complete(entry)
+    assert bootcache.ensure_entry(tmp_path, "k", make) == entry
+    assert len(made) == 1 and not made[0].exists()  # made in a directory renamed into place
+
+    def fail(directory: Path) -> None:
+        (directory / bootcache.STATE_FILE).write_bytes(b"half")
+        raise TimeoutError("the template never answered")
+
+    with pytest.raises(TimeoutError):
+        bootcache.ensure_entry(tmp_path, "other", fail)
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()

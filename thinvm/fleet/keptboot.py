@@ -100,20 +100,13 @@ def _start_kept(root: Path, host: Host, name: str, image: DiskImage) -> float | 
     """The domain restored from its kept boot, made now if there is none;
     None: boot it (no entry could be made)."""
     xml = virsh(host, "dumpxml", "--inactive", name)
-    entry = root / domain_key(xml, image.disk, host.rootfs if host.packaged else None)
-    if not bootcache.is_complete(entry):
-        try:
-            lock = bootcache.creation_lock(root, entry.name)
-            try:
-                if not bootcache.is_complete(entry):
-                    _keep_boot(host, name, xml, entry)
-            finally:
-                lock.release()
-        except (ThinvmError, TimeoutError) as exc:
-            print(f"thinvm: {name}: no kept boot: {exc}", file=sys.stderr)
-            _as_defined(host, name, xml, image)
-            return None
-    bootcache.mark_used(entry)
+    key = domain_key(xml, image.disk, host.rootfs if host.packaged else None)
+    try:
+        entry = bootcache.ensure_entry(root, key, lambda d: _keep_boot(host, name, xml, d))
+    except (ThinvmError, TimeoutError) as exc:
+        print(f"thinvm: {name}: no kept boot: {exc}", file=sys.stderr)
+        _as_defined(host, name, xml, image)
+        return None
     started = time.monotonic()
     try:
         _restore(host, name, xml, entry)
@@ -129,14 +122,11 @@ def _start_kept(root: Path, host: Host, name: str, image: DiskImage) -> float | 
     return time.monotonic() - started
 
 
-def _keep_boot(host: Host, name: str, xml: str, entry: Path) -> None:
-    """Boot the domain, save it once its agent answers, keep its state,
-    disk, console and saved XML in `entry` (the domain is left shut off)."""
+def _keep_boot(host: Host, name: str, xml: str, directory: Path) -> None:
+    """Boot the domain, save it once its agent answers, and keep its state,
+    disk, console and saved XML in `directory` (the domain is left shut off)."""
     dom = ET.fromstring(xml)
     disk, console = _disk(dom), _console(dom)
-    partial = entry.with_name(f"{entry.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     image = _save_path(disk, name)
     try:
         virsh(host, "start", name)
@@ -146,17 +136,13 @@ def _keep_boot(host: Host, name: str, xml: str, entry: Path) -> None:
         # The XML a restore must match: the live one, with what libvirt
         # assigned at start (a memory device's address, say).
         saved = virsh(host, "save-image-dumpxml", str(image))
-        (partial / XML_FILE).write_text(saved.replace(str(disk.parent), SHARED))
-        shutil.move(image, partial / bootcache.STATE_FILE)
-        shutil.copyfile(disk, partial / DISK_FILE)
+        (directory / XML_FILE).write_text(saved.replace(str(disk.parent), SHARED))
+        shutil.move(image, directory / bootcache.STATE_FILE)
+        shutil.copyfile(disk, directory / DISK_FILE)
         if console is not None and console.exists():
-            shutil.copyfile(console, partial / CONSOLE_FILE)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+            shutil.copyfile(console, directory / CONSOLE_FILE)
+    finally:
         image.unlink(missing_ok=True)
-        raise
-    partial.rename(entry)
-    bootcache.remove_stale(entry.parent)
 
 
 def _restore(host: Host, name: str, xml: str, entry: Path) -> None:

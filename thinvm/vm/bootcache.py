@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,36 @@ def creation_lock(root: Path, key: str, timeout: float = CREATE_TIMEOUT) -> File
     if not lock.acquire(timeout):
         raise TimeoutError(f"{lock.path} stayed locked for {timeout:.0f} s")
     return lock
+
+
+def ensure_entry(root: Path, key: str, make: Callable[[Path], None]) -> Path:
+    """The complete entry `key` under `root`, marked used; if missing,
+    `make` fills a fresh directory with it under the creation lock, and
+    that directory is renamed into place only once `make` returned (a
+    concurrent worker waits for the lock, then finds the entry made)."""
+    entry = root / key
+    if not is_complete(entry):
+        lock = creation_lock(root, key)
+        try:
+            if not is_complete(entry):
+                _make_entry(entry, make)
+        finally:
+            lock.release()
+    mark_used(entry)
+    return entry
+
+
+def _make_entry(entry: Path, make: Callable[[Path], None]) -> None:
+    partial = entry.with_name(f"{entry.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        make(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    partial.rename(entry)
+    remove_stale(entry.parent)
 
 
 def mark_used(entry: Path) -> None:

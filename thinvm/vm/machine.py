@@ -662,45 +662,28 @@ class VM:
         if not bootcache.kept_kind(self.config, self.accel):
             return None
         key = self._boot_key()
-        entry = root / key
-        if not bootcache.is_complete(entry):
-            try:
-                lock = bootcache.creation_lock(root, key)
-                try:
-                    if not bootcache.is_complete(entry):
-                        self._keep_boot(entry, key)
-                finally:
-                    lock.release()
-            except (ThinvmError, TimeoutError) as exc:
-                # Booting this guest will say what is wrong, in its context.
-                print(f"thinvm: {self.config.name}: no kept boot: {exc}", file=sys.stderr)
-                return None
-        bootcache.mark_used(entry)
-        return entry
+        try:
+            return bootcache.ensure_entry(root, key, lambda d: self._keep_boot(d, key))
+        except (ThinvmError, TimeoutError) as exc:
+            # Booting this guest will say what is wrong, in its context.
+            print(f"thinvm: {self.config.name}: no kept boot: {exc}", file=sys.stderr)
+            return None
 
-    def _keep_boot(self, entry: Path, key: str) -> None:
-        """Boot a template of this guest and keep its state in `entry`."""
+    def _keep_boot(self, directory: Path, key: str) -> None:
+        """Boot a template of this guest and save its state in `directory`."""
         template = VM(replace(self.config, name=BOOT_TEMPLATE_NAME, memory_cgroup=None))
         template.keep_boot = False
-        partial = entry.with_name(f"{entry.name}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
         try:
             template.start()
             if template._boot_key() != key:
                 raise ThinvmError("the boot template's QEMU command line differs from the guest's")
             template.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
             template.qmp("stop")
-            template.qmp("migrate", uri=f"file:{partial / bootcache.STATE_FILE}")
+            template.qmp("migrate", uri=f"file:{directory / bootcache.STATE_FILE}")
             template.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
-            shutil.copy(template.serial_log, partial / bootcache.SERIAL_FILE)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+            shutil.copy(template.serial_log, directory / bootcache.SERIAL_FILE)
         finally:
             template.kill()
-        partial.rename(entry)
-        bootcache.remove_stale(entry.parent)
 
     def _load_kept_boot(self, entry: Path) -> None:
         """Load a kept boot into this QEMU (-incoming defer), and run it."""
