@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci_skip_gate import pytest_configure  # noqa: F401 - the CI skip gate
 from thinvm.fleet import keptboot, pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.guest import pvh
