@@ -2,10 +2,12 @@
 
 A name is a directory right under the memory controller's root (v1:
 /sys/fs/cgroup/memory/NAME, with CPU accounting in the cpuacct hierarchy;
-v2: /sys/fs/cgroup/NAME).  The warm pool charges its zeroing to one; the
+v2: /sys/fs/cgroup/NAME, or /sys/fs/cgroup/unified/NAME on a hybrid host
+whose memory controller is on its cgroup2 hierarchy).  The warm pool charges its zeroing to one; the
 balance controller can hold guests in one.
 """
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -15,6 +17,10 @@ from thinvm.host import HostError
 from thinvm.units import format_size
 
 CGROUP_FS = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+# Where cgroup2 may be mounted under CGROUP_FS: the whole tree, or beside
+# the v1 hierarchies (systemd's hybrid layout).
+V2_MOUNTS = ("", "unified")
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,16 @@ class CgroupUsage:
 
 
 def find_cgroup(name: str) -> Cgroup | None:
-    """The memory cgroup called `name`; None if no memory controller is mounted."""
+    """The memory cgroup called `name`; None if no memory controller is mounted.
+
+    A controller is on one hierarchy at a time: v2 where a cgroup2 root
+    lists it, else v1's.
+    """
+    for mount in V2_MOUNTS:
+        root = CGROUP_FS / mount
+        controllers = root / "cgroup.controllers"
+        if controllers.is_file() and "memory" in controllers.read_text().split():
+            return Cgroup(root / name, root / name, v2=True)
     if (CGROUP_FS / "memory" / "memory.limit_in_bytes").is_file():
         cpu = next(
             (
@@ -53,10 +68,31 @@ def find_cgroup(name: str) -> Cgroup | None:
             None,
         )
         return Cgroup(CGROUP_FS / "memory" / name, cpu, v2=False)
-    controllers = CGROUP_FS / "cgroup.controllers"
-    if controllers.is_file() and "memory" in controllers.read_text().split():
-        return Cgroup(CGROUP_FS / name, CGROUP_FS / name, v2=True)
     return None
+
+
+def make_dirs(cg: Cgroup) -> None:
+    """Create the cgroup's directories (existing is fine); v2: with memory.* files."""
+    if cg.v2:
+        enable_memory_controller(cg.memory.parent)
+    for d in cg.dirs:
+        d.mkdir(exist_ok=True)
+
+
+def enable_memory_controller(parent: Path) -> None:
+    """v2: a child cgroup has memory.max and the rest only once its parent's
+    cgroup.subtree_control lists the memory controller."""
+    control = parent / "cgroup.subtree_control"
+    try:
+        if "memory" in control.read_text().split():
+            return
+        control.write_text("+memory")
+    except OSError as exc:
+        raise HostError(
+            f"cannot enable the memory controller in {control}: {exc.strerror} "
+            "(the kernel refuses it in a cgroup other than the root that holds processes "
+            "itself: run thinvm where the memory controller is delegated to it)"
+        ) from exc
 
 
 def create_cgroup(name: str, limit: int | None = None) -> str | None:
@@ -64,8 +100,7 @@ def create_cgroup(name: str, limit: int | None = None) -> str | None:
     cg = find_cgroup(name)
     if cg is None:
         return None
-    for d in cg.dirs:
-        d.mkdir(exist_ok=True)
+    make_dirs(cg)
     if limit is not None:
         set_cgroup_limit(name, limit)
     return str(cg.memory)
@@ -95,24 +130,28 @@ def join_cgroup(name: str, limit: int) -> str | None:
     if cg is None:
         return None
     pid = str(os.getpid())
+    make_dirs(cg)
     for d in cg.dirs:
-        d.mkdir(exist_ok=True)
         (d / "cgroup.procs").write_text(pid)
     set_cgroup_limit(name, limit)
     return str(cg.memory)
 
 
-def set_cgroup_limit(name: str, limit: int) -> None:
-    """Set the memory limit; HostError if the cgroup holds more and cannot reclaim it."""
+def set_cgroup_limit(name: str, limit: int | None) -> None:
+    """Set the memory limit (None: none); HostError if the cgroup holds more
+    and cannot reclaim it."""
     cg = find_cgroup(name)
     if cg is None:
         return
     limit_file = cg.memory / ("memory.max" if cg.v2 else "memory.limit_in_bytes")
     if read_int(limit_file) == limit:
         return
+    unlimited = "max" if cg.v2 else "-1"
     try:
-        limit_file.write_text(str(limit))
+        limit_file.write_text(unlimited if limit is None else str(limit))
     except OSError as exc:
+        if limit is None:
+            raise HostError(f"cannot lift the limit of cgroup {cg.memory}: {exc.strerror}") from exc
         raise HostError(
             f"cannot limit cgroup {cg.memory} to {format_size(limit)}: {exc.strerror} "
             "(it holds more: free some first)"
@@ -190,3 +229,34 @@ def remove_cgroup(name: str) -> None:
                 break
             except OSError:  # EBUSY: a process is still leaving
                 time.sleep(0.1)
+
+
+def own_cgroup(cg: Cgroup) -> Path:
+    """This process's cgroup in the hierarchy of `cg`'s memory controller."""
+    root = cg.memory.parent
+    for line in PROC_SELF_CGROUP.read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (controllers == "") if cg.v2 else ("memory" in controllers.split(",")):
+            return root / path.lstrip("/")
+    return root
+
+
+def release_processes(name: str) -> None:
+    """Move the processes left in the cgroup (v1: its memory hierarchy) to
+    this process's own cgroup, so that it can be removed while they run on,
+    charged where their owner is."""
+    cg = find_cgroup(name)
+    if cg is None:
+        return
+    try:
+        pids = (cg.memory / "cgroup.procs").read_text().split()
+    except OSError:
+        return  # not there: nothing to move
+    own = own_cgroup(cg) / "cgroup.procs"
+    for pid in pids:
+        _write_pid(own, pid)
+
+
+def _write_pid(procs: Path, pid: str) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+        procs.write_text(pid)
