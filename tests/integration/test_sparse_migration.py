@@ -8,7 +8,9 @@ verified on the destination.
 import contextlib
 import filecmp
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 from tests.conftest import VMFactory
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
+from thinvm.host import cgroups
 from thinvm.units import GiB, MiB
 from thinvm.vm import balloon, migrate
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
@@ -119,50 +122,67 @@ def test_reporting_and_dirtying_guest_keeps_its_data(make_vm: VMFactory, detecti
 
 @contextlib.contextmanager
 def swap_file(size: int) -> Iterator[Path]:
-    path = Path("/var/tmp/thinvm-test.swap")
-    subprocess.run(["fallocate", "-l", str(size), str(path)], check=True)
-    path.chmod(0o600)
-    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
-    if subprocess.run(["swapon", str(path)], capture_output=True).returncode != 0:
-        path.unlink()
-        pytest.skip("this machine does not allow swap (swapon failed)")
+    """Swap on a file that only root can reach while it holds guest memory.
+
+    A fresh 0700 directory, the file created in it exclusively: under a
+    fixed name in /var/tmp anyone could create the file first and read what
+    root swaps.  /var/tmp rather than /tmp, which may be a tmpfs (no swap
+    files there).
+    """
+    folder = Path(tempfile.mkdtemp(prefix="thinvm-test-swap-", dir="/var/tmp"))
+    path = folder / "swap"
     try:
-        yield path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # swap files must have no holes
+        finally:
+            os.close(fd)
+        subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+        swapon = subprocess.run(["swapon", str(path)], capture_output=True, text=True)
+        if swapon.returncode != 0:
+            pytest.skip(f"this machine does not allow swap: swapon {path}: {swapon.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["swapoff", str(path)], check=False)
     finally:
-        subprocess.run(["swapoff", str(path)], check=False)
-        path.unlink(missing_ok=True)
+        shutil.rmtree(folder)
 
 
 @contextlib.contextmanager
-def memory_cgroup() -> Iterator[Path]:
-    root = Path("/sys/fs/cgroup/memory")
-    if not (root / "memory.limit_in_bytes").exists():
-        pytest.skip("no cgroup v1 memory controller")
-    path = root / f"thinvm-test-{os.getpid()}"
-    path.mkdir(exist_ok=True)
+def memory_cgroup() -> Iterator[tuple[str, str]]:
+    """A memory cgroup (v2 where its controller is there, else v1) whose
+    processes may swap: its name and directory."""
+    name = f"thinvm-test-swap-{os.getpid()}"
+    path = cgroups.create_cgroup(name)
+    if path is None:
+        pytest.skip("no memory cgroup controller (v1 or v2)")
     try:
-        yield path
+        # v2 limits swap apart from memory; v1's memsw limit starts unlimited.
+        swap_max = Path(path, "memory.swap.max")
+        if swap_max.exists():
+            swap_max.write_text("max")
+        yield name, path
     finally:
-        # The test's VMs are stopped later, by make_vm's teardown: hand
-        # them to the root group first, or the directory stays behind.
-        with contextlib.suppress(OSError):
-            for pid in (path / "cgroup.procs").read_text().split():
-                (root / "cgroup.procs").write_text(pid)
-            path.rmdir()
+        # The test's VMs are stopped later, by make_vm's teardown: they
+        # leave the cgroup first, or it stays behind.
+        cgroups.release_processes(name)
+        cgroups.remove_cgroup(name)
 
 
 def test_swapped_out_pages_are_always_sent(make_vm: VMFactory, tmp_path: Path) -> None:
-    with swap_file(1 * GiB), memory_cgroup() as cgroup:
-        config = patched("sparse-swap", memory_cgroup=str(cgroup))
+    with swap_file(1 * GiB), memory_cgroup() as (cgroup, path):
+        config = patched("sparse-swap", memory_cgroup=path)
         src = make_vm(config)
         workload.pattern_write(src.agent, 128 * MiB, seed=31)
-        usage = int((cgroup / "memory.usage_in_bytes").read_text())
-        (cgroup / "memory.limit_in_bytes").write_text(str(usage - 128 * MiB))
+        usage = cgroups.cgroup_usage(cgroup)
+        assert usage is not None and usage.usage is not None, f"no usage in {path}"
+        cgroups.set_cgroup_limit(cgroup, usage.usage - 128 * MiB)
         deadline = time.monotonic() + 60
         while src.host_memory().swap < 64 * MiB and time.monotonic() < deadline:
             time.sleep(0.5)
         assert src.host_memory().swap >= 64 * MiB, "the host did not swap guest memory out"
-        (cgroup / "memory.limit_in_bytes").write_text("-1")
+        cgroups.set_cgroup_limit(cgroup, None)
         dst = make_vm(paused_destination(config), incoming=True)
         migrate.migrate(src, dst, caps=SPARSE, resume=False)
         assert_identical_memory(src, dst, tmp_path)
