@@ -5,9 +5,13 @@ signature (`pattern_pages`) and `thinvm-mem kcore-scan` against a fake
 ELF core whose segments and pages are known.
 """
 
+import math
 import multiprocessing
 import os
+import pwd
+import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import thinvm_cli
 from thinvm import pool
 from thinvm.host import HostError
 from thinvm.paths import REPO
@@ -392,7 +397,8 @@ def small_pool(tmp_path: Path) -> Iterator[Path]:
     while worker.step().kind != "idle":
         pass
     yield root
-    pool.stop(root, force=True)
+    if pool.Pool(root).exists():
+        pool.stop(root, force=True)
     shutil.rmtree(files, ignore_errors=True)
 
 
@@ -526,3 +532,199 @@ def test_worker_entry_point_runs_as_a_module(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.startswith("thinvm pool: error: no warm pool at ")
     assert "Traceback" not in proc.stderr
+
+
+# -- the pool touches only its own directory and files -----------------------
+
+NOBODY = pwd.getpwnam("nobody").pw_uid
+SECRET = b"root's own data, not a guest's\n" * 4096
+
+
+def _stat(mode: int, uid: int = 0, nlink: int = 1, dev: int = 7) -> os.stat_result:
+    # (mode, ino, dev, nlink, uid, gid, size, atime, mtime, ctime)
+    return os.stat_result((mode, 1, dev, nlink, uid, 0, 0, 0, 0, 0))
+
+
+def test_a_slot_directory_must_be_ours_alone() -> None:
+    ok = pool.directory_problem
+    assert ok(_stat(stat.S_IFDIR | 0o700), 0) is None
+    assert ok(_stat(stat.S_IFDIR | 0o755), 0) is None  # others may look, not write
+    assert ok(_stat(stat.S_IFLNK | 0o777), 0) == "is a symbolic link"
+    assert ok(_stat(stat.S_IFREG | 0o600), 0) == "is not a directory"
+    assert ok(_stat(stat.S_IFDIR | 0o700, uid=NOBODY), 0) == (
+        f"belongs to uid {NOBODY} (nobody), not to uid 0 (root), which runs the pool"
+    )
+    assert ok(_stat(stat.S_IFDIR | 0o1777), 0) == "is writable by others (mode 1777)"
+    assert ok(_stat(stat.S_IFDIR | 0o770), 0) == "is writable by others (mode 0770)"
+
+
+def test_a_slot_file_must_be_ours_alone() -> None:
+    ok = pool.slot_problem
+    assert ok(_stat(stat.S_IFREG | 0o600), 0, 7) is None
+    assert ok(_stat(stat.S_IFIFO | 0o600), 0, 7) == "is not a regular file"
+    assert ok(_stat(stat.S_IFCHR | 0o600), 0, 7) == "is not a regular file"
+    assert ok(_stat(stat.S_IFREG | 0o600, uid=NOBODY), 0, 7) is not None
+    assert ok(_stat(stat.S_IFREG | 0o600, nlink=2), 0, 7) == "has 2 links, not 1"
+    assert ok(_stat(stat.S_IFREG | 0o600), 0, 8) == "is on another filesystem than its directory"
+    assert ok(_stat(stat.S_IFREG | 0o644), 0, 7) == "is open to others (mode 0644)"
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file of ours, outside any pool, holding SECRET."""
+    path = tmp_path / "victim"
+    path.write_bytes(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+def test_claim_directory_makes_it_0700_and_takes_it_again(tmp_path: Path) -> None:
+    files = tmp_path / "slots"
+    pool.claim_directory(str(files))
+    st = os.lstat(files)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+    assert st.st_uid == os.geteuid()
+    pool.claim_directory(str(files))  # a pool started again
+
+
+@pytest.mark.parametrize("kind", ["symlink", "foreign", "writable"])
+def test_claim_directory_refuses_one_that_is_not_ours_alone(tmp_path: Path, kind: str) -> None:
+    files, target = tmp_path / "slots", tmp_path / "elsewhere"
+    if kind == "symlink":
+        target.mkdir(mode=0o700)
+        files.symlink_to(target)
+    else:
+        files.mkdir(mode=0o700)
+        if kind == "foreign":
+            os.chown(files, NOBODY, -1)
+        else:
+            files.chmod(0o777)
+    with pytest.raises(pool.UnsafePath, match=re.escape(f"rm -r {files}")):
+        pool.claim_directory(str(files))
+    assert os.listdir(files) == []  # nothing made in it (nor, for a symlink, in its target)
+
+
+def test_configure_puts_no_slot_in_a_files_directory_of_another_user() -> None:
+    files = Path(pool.TMPFS_DIR) / f"thinvm-unit-foreign-{os.getpid()}"
+    files.mkdir(mode=0o700)
+    os.chown(files, NOBODY, -1)
+    root = files.with_name(files.name + "-state")
+    try:
+        spec = pool.PoolSpec(slots=[4 * MiB], kind="tmpfs", directory=str(files), cgroup=False)
+        with pytest.raises(pool.PoolError, match=re.escape(f"belongs to uid {NOBODY} ")):
+            pool.configure(root, spec)
+        assert os.listdir(files) == [] and not pool.Pool(root).exists()
+    finally:
+        shutil.rmtree(files)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_open_slot_creates_a_new_slot_0600(tmp_path: Path) -> None:
+    path = tmp_path / "slot-0.mem"
+    fd = pool.open_slot(str(path), create=True)
+    os.close(fd)
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    with pytest.raises(FileNotFoundError):
+        pool.open_slot(str(tmp_path / "slot-1.mem"))
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "foreign", "open"])
+def test_open_slot_refuses_what_is_not_a_slot_of_ours(
+    tmp_path: Path, victim: Path, kind: str
+) -> None:
+    path = tmp_path / "slot-0.mem"
+    problem = {
+        "symlink": "is a symbolic link",
+        "hardlink": "has 2 links, not 1",
+        "fifo": "is not a regular file",
+        "foreign": f"belongs to uid {NOBODY} (nobody)",
+        "open": "is open to others (mode 0644)",
+    }[kind]
+    if kind == "symlink":
+        path.symlink_to(victim)
+    elif kind == "hardlink":
+        os.link(victim, path)
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        path.write_bytes(SECRET)
+        if kind == "foreign":
+            os.chown(path, NOBODY, -1)
+        else:
+            path.chmod(0o644)
+    for create in (False, True):
+        with pytest.raises(pool.UnsafePath, match=re.escape(f"slot file {path} {problem}")):
+            pool.open_slot(str(path), create=create)
+    assert victim.read_bytes() == SECRET
+
+
+def _plant_symlink(root: Path, index: int, target: Path, state: str) -> str:
+    """Slot `index` of the pool replaced by a symlink to `target`, in `state`."""
+    with pool.Pool(root).locked() as st:
+        slot = st.slots[index]
+        slot.state = state
+    os.unlink(slot.path)
+    os.symlink(target, slot.path)
+    return slot.path
+
+
+@pytest.mark.parametrize("state", ["dirty", "empty"])
+def test_scrub_and_fill_never_go_through_a_symlink(
+    small_pool: Path, victim: Path, state: str
+) -> None:
+    path = _plant_symlink(small_pool, 1, victim, state)
+    action = pool.Worker(pool.Pool(small_pool), threading.Event()).step()
+    assert action.kind == "idle" and action.index == 1, action
+    assert f"slot file {path} is a symbolic link: not touched" in action.reason
+    assert victim.read_bytes() == SECRET
+    assert os.path.islink(path)
+    assert pool.Pool(small_pool).read().slots[1].state == state
+
+
+def test_a_slot_is_not_leased_through_a_symlink(small_pool: Path, victim: Path) -> None:
+    path = _plant_symlink(small_pool, 0, victim, "free")
+    with pytest.raises(pool.PoolError, match=re.escape("is a symbolic link")):
+        pool.acquire(small_pool, 4 * MiB, "vm")
+    assert pool.Pool(small_pool).read().slots[0].state == "free"  # not taken either
+    assert os.path.islink(path) and victim.read_bytes() == SECRET
+
+
+def test_stop_removes_a_planted_symlink_and_leaves_its_target(
+    small_pool: Path, victim: Path
+) -> None:
+    path = _plant_symlink(small_pool, 2, victim, "free")
+    files = os.path.dirname(path)
+    report = pool.stop(small_pool)
+    assert victim.read_bytes() == SECRET
+    assert report.removed == 3
+    assert report.warnings == [
+        f"slot file {path} is a symbolic link: not touched; its name is removed"
+    ]
+    assert not os.path.lexists(files)
+
+
+def test_check_interval_refuses_what_the_daemon_cannot_sleep_for() -> None:
+    pool.check_interval(0.1)
+    pool.check_interval(2)
+    for bad in (0.0, -1.0, math.nan, math.inf, 0.01):
+        with pytest.raises(pool.PoolError, match=re.escape("give a number of at least 0.1")):
+            pool.check_interval(bad)
+    with pytest.raises(pool.PoolError, match=re.escape("--interval 0:")):
+        pool.configure("/nonexistent/pool", pool.PoolSpec(interval=0))
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan"])
+def test_pool_start_refuses_an_interval_that_would_spin(tmp_path: Path, interval: str) -> None:
+    """Today's `wake.wait(0)` loop: the idle daemon would keep a CPU busy."""
+    root = tmp_path / f"pool-interval-{os.getpid()}"
+    try:
+        start = thinvm_cli(
+            "pool", "start", "--root", str(root), "--slot", "4M", "--kind", "tmpfs",
+            "--watermark", "0", "--no-cgroup", f"--interval={interval}", "--detach",
+        )  # fmt: skip
+        assert start.returncode == 1, start.stdout
+        assert start.stderr.startswith(f"thinvm: error: --interval {interval}: the daemon")
+        assert not pool.Pool(root).exists()
+    finally:
+        if pool.Pool(root).exists():
+            pool.stop(root, force=True)

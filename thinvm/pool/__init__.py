@@ -31,6 +31,7 @@ Modules, by responsibility:
 
 - model: slots, policy and state; the pure decisions (leasing, grow/shrink);
 - files: allocating, zero-filling and punching slot files;
+- owned: the slot directory and slot files, touched only if they are the pool's alone;
 - probes: what the pool measures on the host (thinvm.host: PSI, meminfo, processes);
 - store: pool.json under the pool's lock; configure() sets a pool up;
 - lease: the VM side (acquire, bind, release);
@@ -69,6 +70,7 @@ from thinvm.pool.model import (
     DEFAULT_PSI_THRESHOLD,
     DEFAULT_WATERMARK,
     KINDS,
+    MIN_INTERVAL,
     PSI_PATH,
     Action,
     Owner,
@@ -80,6 +82,7 @@ from thinvm.pool.model import (
     Pressure,
     Slot,
     bind,
+    check_interval,
     choose_slot,
     decide,
     growth_block,
@@ -88,6 +91,15 @@ from thinvm.pool.model import (
     release,
     shortage,
     take,
+)
+from thinvm.pool.owned import (
+    UnsafePath,
+    check_slot,
+    claim_directory,
+    directory_problem,
+    open_slot,
+    remove_slot,
+    slot_problem,
 )
 from thinvm.pool.probes import (
     owner_alive,
@@ -132,6 +144,7 @@ __all__ = [
     "KINDS",
     "LOCK_FILE",
     "LOG_FILE",
+    "MIN_INTERVAL",
     "PAGE_SIZE",
     "PSI_PATH",
     "STATE_FILE",
@@ -153,15 +166,20 @@ __all__ = [
     "Slot",
     "SlotStatus",
     "StopReport",
+    "UnsafePath",
     "Worker",
     "acquire",
     "allocated",
     "bind",
     "cgroup_limit",
+    "check_interval",
+    "check_slot",
     "choose_slot",
+    "claim_directory",
     "configure",
     "decide",
     "default_root",
+    "directory_problem",
     "fallocate",
     "fill_chunk",
     "format_status",
@@ -169,6 +187,7 @@ __all__ = [
     "idle_priority",
     "is_zero",
     "kick",
+    "open_slot",
     "owner_alive",
     "owner_of",
     "populate_zeros",
@@ -178,8 +197,10 @@ __all__ = [
     "reap",
     "release",
     "release_vm",
+    "remove_slot",
     "serve",
     "shortage",
+    "slot_problem",
     "spawn_daemon",
     "status",
     "stop",

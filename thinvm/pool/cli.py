@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from thinvm import pool
@@ -16,6 +17,8 @@ def pool_root(text: str | None) -> Path:
 def pool_spec(args: argparse.Namespace) -> pool.PoolSpec:
     if args.count < 1:
         raise ThinvmError(f"--count must be at least 1, not {args.count}")
+    if args.interval is not None:
+        pool.check_interval(args.interval)
     sizes = [parse_size(s) for s in args.slot]
     return pool.PoolSpec(
         slots=[size for size in sizes for _ in range(args.count)] if sizes else None,
@@ -66,6 +69,8 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
 def cmd_pool_stop(args: argparse.Namespace) -> int:
     report = pool.stop(pool_root(args.root), force=args.force)
     print(f"pool stopped: {report.removed} slots removed")
+    for warning in report.warnings:
+        print(f"thinvm: warning: {warning}", file=sys.stderr)
     for name in report.left_to_vms:
         print(f"  {name or 'a VM'} keeps its slot's memory until it exits")
     return 0
@@ -87,7 +92,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
         p.add_argument("--budget", help="most memory the slots may hold (default: their sum)")
         p.add_argument("--watermark", help="fill only while MemAvailable stays above (2G)")
         p.add_argument("--psi", type=float, help="shrink above this PSI some avg10, in %% (10)")
-        p.add_argument("--interval", type=float, help="seconds between checks (2)")
+        p.add_argument("--interval", type=float, help="seconds between checks, at least 0.1 (2)")
         p.add_argument(
             "--reserve-hugepages",
             action="store_true",

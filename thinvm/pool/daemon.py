@@ -7,14 +7,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinvm.host.cgroups import remove_cgroup
 from thinvm.host.hugepages import nr_hugepages, set_nr_hugepages
 from thinvm.paths import REPO
 from thinvm.pool.files import punch
-from thinvm.pool.model import Owner, PoolError, PoolState, choose_slot
+from thinvm.pool.model import Owner, PoolError, PoolState, Slot, choose_slot
+from thinvm.pool.owned import UnsafePath, open_directory, open_slot, remove_slot
 from thinvm.pool.probes import owner_alive
 from thinvm.pool.store import LOCK_FILE, LOG_FILE, Pool
 from thinvm.units import format_size
@@ -119,6 +120,45 @@ def wait_free(root: str | Path | None, memory: int | None = None, timeout: float
 class StopReport:
     removed: int
     left_to_vms: list[str]
+    warnings: list[str] = field(default_factory=list)  # what was left alone, and why
+
+
+def _remove_slots(directory: str, slots: list[Slot]) -> tuple[int, list[str]]:
+    """Punch (unless leased) and unlink every slot: how many, and what was left alone, why.
+
+    In a directory that is not the pool's alone nothing is touched: its
+    owner could have put anything behind a slot's name.
+    """
+    try:
+        with open_directory(directory):
+            pass
+    except FileNotFoundError:
+        return len(slots), []
+    except UnsafePath as exc:
+        return 0, [
+            f"slot files in {directory} left alone: it {exc.problem}; "
+            "see what is in it and remove it by hand"
+        ]
+    warnings = []
+    for slot in slots:
+        try:
+            if slot.state != "leased":
+                _punch_all(slot.path)
+        except UnsafePath as exc:
+            warnings.append(f"{exc}; its name is removed")
+        except OSError:
+            pass  # gone already, or its memory goes back with the unlink
+        with contextlib.suppress(OSError):
+            remove_slot(slot.path)
+    return len(slots), warnings
+
+
+def _punch_all(path: str) -> None:
+    fd = open_slot(path)
+    try:
+        punch(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def stop(root: str | Path | None, *, force: bool = False, timeout: float = 60.0) -> StopReport:
@@ -144,21 +184,13 @@ def stop(root: str | Path | None, *, force: bool = False, timeout: float = 60.0)
     _stop_workers(pool, state, timeout)
     with pool._flock():
         state = pool._load()
-        for slot in state.slots:
-            with contextlib.suppress(OSError):
-                if slot.state != "leased":
-                    fd = os.open(slot.path, os.O_RDWR | os.O_CLOEXEC)
-                    try:
-                        punch(fd, 0, os.fstat(fd).st_size)
-                    finally:
-                        os.close(fd)
-                os.unlink(slot.path)
         cfg = state.config
+        removed, warnings = _remove_slots(cfg.directory, state.slots)
         if cfg.manage_hugepages and state.hugepages_added:
             before = nr_hugepages(cfg.page_size)
             set_nr_hugepages(cfg.page_size, before - state.hugepages_added)
             state.hugepages_added = 0
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # not if others' files are left in it
             os.rmdir(cfg.directory)
         if cfg.mounted is not None:
             if subprocess.run(["umount", cfg.mounted], capture_output=True).returncode != 0:
@@ -167,7 +199,7 @@ def stop(root: str | Path | None, *, force: bool = False, timeout: float = 60.0)
                 os.rmdir(cfg.mounted)
         if cfg.cgroup is not None:
             remove_cgroup(cfg.cgroup)
-        report = StopReport(len(state.slots), [s.vm for s in leased])
+        report = StopReport(removed, [s.vm for s in leased], warnings)
         pool.state_file.unlink()
     for name in (LOCK_FILE, LOG_FILE):
         with contextlib.suppress(OSError):

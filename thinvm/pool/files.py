@@ -69,8 +69,8 @@ def is_zero(path: str, limit: int | None = None) -> bool:
 
 
 def allocated(path: str) -> int:
-    """Bytes a slot file really holds (punched holes do not count)."""
+    """Bytes a slot file really holds (punched holes do not count; a symlink holds none)."""
     try:
-        return os.stat(path).st_blocks * 512
+        return os.lstat(path).st_blocks * 512
     except FileNotFoundError:
         return 0

@@ -10,6 +10,7 @@ from thinvm.errors import ThinvmError
 from thinvm.host.procs import proc_start_time
 from thinvm.pool.daemon import kick
 from thinvm.pool.model import Owner, PoolEmpty, bind, reap, release, take
+from thinvm.pool.owned import check_slot
 from thinvm.pool.probes import owner_alive, owner_of
 from thinvm.pool.store import Pool
 from thinvm.units import format_size
@@ -51,6 +52,9 @@ def acquire(root: str | Path | None, memory: int, vm: str) -> Lease:
     with pool.locked() as state:
         reap(state, owner_alive)
         slot = take(state, memory, owner_of(os.getpid()), vm, token)
+        # QEMU maps the slot by its name: it must still be the pool's own
+        # file.  Refused, the slot stays free (the state is not written).
+        check_slot(slot.path)
         cfg = state.config
     return Lease(pool.root, slot.index, slot.path, slot.size, cfg.kind, cfg.page_size, token)
 

@@ -4,6 +4,7 @@ Nothing here touches the host; the worker feeds in what it measured
 (thinvm.pool.probes) and carries out the Action it gets back.
 """
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -19,6 +20,7 @@ PSI_PATH = PSI_MEMORY
 DEFAULT_WATERMARK = 2 * GiB
 DEFAULT_PSI_THRESHOLD = 10.0  # % of time some task stalled on memory, last 10 s
 DEFAULT_INTERVAL = 2.0
+MIN_INTERVAL = 0.1  # shorter, and the idle daemon would keep a CPU busy
 DEFAULT_COOLDOWN = 30.0
 
 
@@ -28,6 +30,15 @@ class PoolError(ThinvmError):
 
 class PoolEmpty(PoolError):
     """No free slot fits; callers fall back to ordinary preallocation."""
+
+
+def check_interval(seconds: float) -> None:
+    """Refuse an interval the daemon cannot sleep for: 0 or less spins, NaN or inf fail."""
+    if not (math.isfinite(seconds) and seconds >= MIN_INTERVAL):
+        raise PoolError(
+            f"--interval {seconds:g}: the daemon sleeps this many seconds between checks; "
+            f"give a number of at least {MIN_INTERVAL:g} (default {DEFAULT_INTERVAL:g})"
+        )
 
 
 # -- model -------------------------------------------------------------------

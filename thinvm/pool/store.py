@@ -16,7 +16,16 @@ from thinvm.host.memory import host_meminfo
 from thinvm.host.mounts import Mount, mount_of, mounts
 from thinvm.paths import cache_dir, write_json_atomic
 from thinvm.pool.files import PAGE_SIZE
-from thinvm.pool.model import KINDS, Policy, PoolConfig, PoolError, PoolState, Slot
+from thinvm.pool.model import (
+    KINDS,
+    Policy,
+    PoolConfig,
+    PoolError,
+    PoolState,
+    Slot,
+    check_interval,
+)
+from thinvm.pool.owned import claim_directory, open_slot
 from thinvm.units import format_size
 
 STATE_FILE = "pool.json"
@@ -165,6 +174,8 @@ def _page_size(m: Mount, path: str) -> int:
 
 def configure(root: str | Path | None, spec: PoolSpec) -> PoolState:
     """Create the pool, or update the policy of an existing one."""
+    if spec.interval is not None:
+        check_interval(spec.interval)
     pool = Pool(root)
     with pool._flock():
         if pool.exists():
@@ -204,11 +215,11 @@ def configure(root: str | Path | None, spec: PoolSpec) -> PoolState:
             mounted=mounted,
             manage_hugepages=kind == "hugetlbfs" and spec.reserve_hugepages,
         )
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        claim_directory(directory)
         slots = []
         for index, size in enumerate(spec.slots):
             path = pool.slot_path(directory, index)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_slot(path, create=True)
             try:
                 # A file left from an earlier pool may hold a guest's data.
                 state_name = "dirty" if os.fstat(fd).st_blocks else "empty"

@@ -27,6 +27,7 @@ from thinvm.pool.model import (
     growth_block,
     reap,
 )
+from thinvm.pool.owned import open_slot
 from thinvm.pool.probes import owner_alive, owner_of, read_pressure
 from thinvm.pool.store import Pool
 from thinvm.progress import ProgressLine
@@ -171,7 +172,12 @@ class Worker:
         chunk = _chunk(cfg.kind)
         label = f"slot {slot.index} ({cfg.kind}, {format_size(slot.size)})"
         started = time.monotonic()
-        fd = os.open(slot.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fd = open_slot(slot.path)
+        except OSError as exc:
+            return False, f"{label}: {exc.strerror}"
+        except PoolError as exc:
+            return False, str(exc)
         try:
             if os.fstat(fd).st_size != slot.size:
                 os.ftruncate(fd, slot.size)
@@ -229,9 +235,11 @@ class Worker:
         if users:
             return f"still open in process {', '.join(map(str, users))}: not scrubbed"
         try:
-            fd = os.open(slot.path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_slot(slot.path, create=True)
+        except OSError as exc:
+            return f"opening slot {slot.index}: {exc.strerror}"
+        except PoolError as exc:
+            return str(exc)
         try:
             size = os.fstat(fd).st_size
             if size:
