@@ -17,9 +17,11 @@ Plot of the cgroup's memory over time, one line per variant:
 
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -161,16 +163,53 @@ def swap_used() -> int:
     return info.get("SwapTotal", 0) - info.get("SwapFree", 0)
 
 
+# /var/tmp rather than /tmp, which may be a tmpfs (no swap files there).
+RUN_FILES_PARENT = Path("/var/tmp")
+
+
+@dataclass
+class RunFiles:
+    """Where one run's swap file and scratch disk live: a fresh directory of ours alone.
+
+    /var/tmp is everyone's: a file under a name known in advance could be
+    made, and kept open, by another user before the run, who would then
+    read what the host swaps or the guests' disk.  mkdtemp makes the
+    directory with a random name and mode 0700, and the files in it are
+    created exclusively.
+    """
+
+    directory: Path | None = None
+
+    @property
+    def disk(self) -> Path:
+        if self.directory is None:
+            raise ThinvmError("the overcommit run's files are not set up yet")
+        return self.directory / "disk.img"
+
+
+def create_private_file(path: Path, size: int) -> None:
+    """A new file of `size` allocated bytes (no holes: swap needs none), mode 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def swap_file(size: int, directory: Path = Path("/var/tmp")) -> Iterator[Path | None]:
-    """A swap file for the run; always switched off and removed after."""
+def swap_file(size: int, directory: Path) -> Iterator[Path | None]:
+    """A swap file in `directory` (a private one: RunFiles); switched off and removed after."""
     if size <= 0:
         yield None
         return
-    path = directory / f"thinvm-overcommit-{os.getpid()}.swap"
+    path = directory / "swap"
     try:
-        subprocess.run(["fallocate", "-l", str(size), str(path)], check=True, capture_output=True)
-        path.chmod(0o600)
+        try:
+            create_private_file(path, size)
+        except OSError as exc:
+            raise ThinvmError(f"cannot make swap file {path}: {exc.strerror}") from exc
         subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
         subprocess.run(["swapon", str(path)], check=True, capture_output=True)
         yield path
@@ -250,12 +289,12 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
         reread=parse_size(params.get("reread", "0")),
     )
     shared = Shared()
-    disk = Path("/var/tmp") / f"thinvm-overcommit-{os.getpid()}.img"
+    files = RunFiles()
 
     def config(name: str, setup: Setup) -> VMConfig:
         cfg = opts.vm_config(name, size, reporting=setup.reporting)
         if work.read:
-            cfg.extra_args.extend(guest_workload.disk_args(disk, direct=True))
+            cfg.extra_args.extend(guest_workload.disk_args(files.disk, direct=True))
         return cfg
 
     def measure_count(setup: Setup, ctx: RunContext, count: int) -> Metrics:
@@ -418,20 +457,27 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
             "interval_s": interval,
             "kernel": opts.kernel,
         },
-        context=lambda: _run_files(swap, disk, work.disk_size),
+        context=lambda: run_files(files, swap, work.disk_size),
     )
 
 
 @contextlib.contextmanager
-def _run_files(swap: int, disk: Path, disk_size: int) -> Iterator[None]:
-    """The swap file and the guests' shared scratch disk, removed after."""
-    with swap_file(swap):
-        if disk_size:
-            guest_workload.scratch_disk(disk, disk_size)
-        try:
+def run_files(
+    files: RunFiles, swap: int, disk_size: int, parent: Path = RUN_FILES_PARENT
+) -> Iterator[None]:
+    """The swap file and the guests' shared scratch disk, in a fresh private
+    directory under `parent` (set in `files` meanwhile), all removed after."""
+    directory = Path(tempfile.mkdtemp(prefix="thinvm-overcommit-", dir=parent))
+    files.directory = directory
+    try:
+        with swap_file(swap, directory):
+            if disk_size:
+                create_private_file(files.disk, 0)
+                guest_workload.scratch_disk(files.disk, disk_size)
             yield
-        finally:
-            disk.unlink(missing_ok=True)
+    finally:
+        files.directory = None
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _sweep_counts(text: str, guests: int) -> list[int]:
