@@ -25,6 +25,7 @@ from tests.conftest import (
     thinvm_cli,
     wait_for,
 )
+from tests.integration.tls_isolation import assert_qemus_files_open_no_peer
 from thinvm.balance.backends import LibvirtBackend, parse_domstats
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
@@ -550,6 +551,13 @@ def test_hosts_accept_only_clients_with_a_certificate_of_the_cluster_ca(
 ) -> None:
     pki_dir = Path(fleet.host("h1").root) / "pki"
     assert_only_cluster_clients(fleet, pki_dir, tmp_path)
+
+
+def test_qemus_certificates_open_no_other_host(fleet: ClusterState, tmp_path: Path) -> None:
+    """Issue 46 item 9: the files QEMU (libvirt-qemu) reads on h1 do not
+    let it into h2's or h3's libvirtd (tls_allowed_dn_list), libvirt's own
+    client certificate does, and libvirt-qemu cannot read libvirt's keys."""
+    assert_qemus_files_open_no_peer(fleet, tmp_path)
 
 
 def balloon_current(h: Host, name: str) -> int:

@@ -32,6 +32,7 @@ from tests.conftest import (
     thinvm_cli,
     wait_for,
 )
+from tests.integration.tls_isolation import assert_qemus_files_open_no_peer
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
@@ -232,6 +233,14 @@ def test_packaged_hosts_accept_only_clients_of_the_cluster_ca(
     certificate of the cluster CA gets in, one of another CA is refused,
     and nothing listens on plain TCP."""
     assert_only_cluster_clients(packaged, packaged.host("h1").rootfs / "etc/pki", tmp_path)
+
+
+def test_packaged_hosts_qemus_certificates_open_no_other_host(
+    packaged: ClusterState, tmp_path: Path
+) -> None:
+    """Issue 46 item 9 on Debian's libvirt, QEMU as the root's own
+    libvirt-qemu (tests/integration/tls_isolation.py)."""
+    assert_qemus_files_open_no_peer(packaged, tmp_path)
 
 
 def test_rolling_upgrade_of_three_hosts_then_purge(
@@ -498,7 +507,8 @@ def test_packaged_configuration_adds_only_listener_tls_uuid_migration_storage(
         if line.strip() and not line.startswith("#")
     }
     assert keys == {
-        "listen_tls", "listen_tcp", "auth_tls", "listen_addr", "auth_unix_rw",
+        "listen_tls", "listen_tcp", "auth_tls", "tls_allowed_dn_list", "listen_addr",
+        "auth_unix_rw",
         "unix_sock_rw_perms", "host_uuid",
         "log_outputs", "migration_address", "migration_host", "migrate_tls_force",
         "shared_filesystems", "remember_owner",

@@ -1,6 +1,7 @@
 """Pure logic of thinvm.fleet: domain XML, host configuration, parsing."""
 
 import json
+import shlex
 import shutil
 import stat
 import xml.etree.ElementTree as ET
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, migrate
+from thinvm.fleet import cluster, emulator, migrate, pki
 from thinvm.fleet.domain import (
     BALLOON_ALIAS,
     QEMU_NS,
@@ -176,6 +177,66 @@ def test_a_no_tls_cluster_listens_on_plain_tcp(tmp_path: Path) -> None:
     conf = cluster.libvirtd_conf(h)
     assert "listen_tls = 0" in conf and "listen_tcp = 1" in conf
     assert "migrate_tls_force" not in cluster.qemu_conf(h, tmp_path / "shared")
+
+
+def allowed_dn_list(conf: str) -> list[str]:
+    """tls_allowed_dn_list of a libvirtd.conf (one line, a list of strings)."""
+    (line,) = [x for x in conf.splitlines() if x.startswith("tls_allowed_dn_list")]
+    return [s.strip().strip('"') for s in line.split("=", 1)[1].strip(" []").split('", "')]
+
+
+def test_libvirtd_lets_in_only_libvirt_clients_of_the_cluster(tmp_path: Path) -> None:
+    """Every TLS listener admits the DNs of libvirt's client certificates
+    only, not the certificate QEMU reads (thinvm.fleet.pki)."""
+    fast = cluster.plan_hosts(2, tmp_path)[1]
+    plain = cluster.plan_hosts(2, tmp_path, tls=False)[1]
+    packaged = cluster.plan_hosts(1, tmp_path, packaged=True)[0]
+    booted = cluster.plan_hosts(1, tmp_path, packaged=True, systemd=True)[0]
+    for conf in (
+        cluster.libvirtd_conf(fast),
+        cluster.packaged_libvirtd_conf(packaged),
+        cluster.packaged_libvirtd_conf(booted),
+    ):
+        assert 'auth_tls = "none"' in conf
+        assert allowed_dn_list(conf) == list(pki.LIBVIRT_CLIENT_DNS), conf
+    assert "tls_allowed_dn_list" not in cluster.libvirtd_conf(plain)
+
+
+def commands(script: str) -> list[list[str]]:
+    """A script's lines as the shell splits them into words."""
+    return [shlex.split(line) for line in script.splitlines()]
+
+
+def test_host_scripts_quote_their_paths(tmp_path: Path) -> None:
+    """A cluster directory with a space, a quote and a `$` in its name
+    reaches every command as one word, unexpanded."""
+    root = tmp_path / "a b'$HOME"
+    patched, stock = Path("/x/qemu patched"), Path("/x/qemu $stock")
+    normal, old = cluster.plan_hosts(2, root, stock=["h2"])
+    fast = commands(cluster.host_script(normal, patched, stock))
+    for key, inside in cluster.LIBVIRT_DIRS.items():
+        assert ["mount", "--bind", f"{normal.root}/{key}", inside] in fast
+    conf = f"{normal.root}/etc/libvirtd.conf"
+    assert fast[-1] == [
+        "exec",
+        "libvirtd",
+        "--listen",
+        "-f",
+        conf,
+        "-p",
+        "/run/libvirt/libvirtd.pid",
+    ]
+    assert ["mount", "--bind", str(stock), str(patched)] in commands(
+        cluster.host_script(old, patched, stock)
+    )
+    shared, images = root / "shared", "/var/lib/thinvm/images"
+    for systemd in (False, True):
+        (h,) = cluster.plan_hosts(1, root, packaged=True, systemd=systemd)
+        r = str(h.rootfs)
+        packaged = commands(cluster.packaged_host_script(h, shared, images, root / "repo", ()))
+        assert ["mount", "--bind", str(shared), f"{r}{shared}"] in packaged
+        assert ["mount", "--bind", str(root / "repo"), f"{r}{cluster.APT_REPO_DIR}"] in packaged
+        assert ["cd", r] in packaged
 
 
 def test_host_script_binds_every_libvirt_tree(tmp_path: Path) -> None:

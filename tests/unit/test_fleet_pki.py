@@ -1,5 +1,6 @@
 """The cluster's certificates: real openssl, checked with openssl."""
 
+import fnmatch
 import os
 import stat
 import subprocess
@@ -65,3 +66,58 @@ def test_qemus_group_reads_its_keys_and_nothing_else(tmp_path: Path) -> None:
     private = tree / "libvirt" / "private"
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
     assert stat.S_IMODE((private / "serverkey.pem").stat().st_mode) == 0o600
+
+
+def query_dn(cert: Path) -> str:
+    """The Distinguished Name libvirtd matches against tls_allowed_dn_list,
+    as libvirt's own tool prints it."""
+    out = subprocess.run(
+        ["virt-pki-query-dn", str(cert)], capture_output=True, text=True, check=True
+    ).stdout
+    return out.strip()
+
+
+def public_key(key: Path) -> str:
+    return openssl("pkey", "-in", str(key), "-pubout")
+
+
+def allowed(dn: str) -> bool:
+    """libvirtd's test (g_pattern_match_simple: `*` and `?` globs)."""
+    return any(fnmatch.fnmatchcase(dn, pattern) for pattern in pki.LIBVIRT_CLIENT_DNS)
+
+
+def test_only_libvirts_client_certificate_is_a_libvirt_client(tmp_path: Path) -> None:
+    """What QEMU can read (/etc/pki/qemu) is a certificate and key of their
+    own, whose DN libvirtd does not let in; libvirt's client certificate is
+    the only one that libvirtd's tls_allowed_dn_list lets in."""
+    ca = pki.make_ca(tmp_path / "cluster")
+    tree = tmp_path / "h1" / "pki"
+    pki.host_tree(tree, ca, "10.217.0.1", "thinvm-h1", qemu_gid=os.getgid())
+    libvirt_keys = {
+        public_key(tree / "libvirt" / "private" / f"{role}key.pem") for role in ("client", "server")
+    }
+    for key in ("client-key.pem", "server-key.pem"):
+        assert public_key(tree / "qemu" / key) not in libvirt_keys, key
+    client = tree / "libvirt" / "clientcert.pem"
+    assert allowed(query_dn(client)), query_dn(client)
+    for cert in ("libvirt/servercert.pem", "qemu/client-cert.pem", "qemu/server-cert.pem"):
+        assert not allowed(query_dn(tree / cert)), (cert, query_dn(tree / cert))
+    # QEMU's pair still does its job: each verifies against the CA for its
+    # side of the migration stream and names the host's address.
+    cacert = str(tree / "qemu" / "ca-cert.pem")
+    for role, purpose in (("server", "sslserver"), ("client", "sslclient")):
+        cert = str(tree / "qemu" / f"{role}-cert.pem")
+        out = openssl("verify", "-CAfile", cacert, "-purpose", purpose, cert)
+        assert out.strip().endswith("OK"), out
+        assert "IP Address:10.217.0.1" in openssl("x509", "-in", cert, "-noout", "-text")
+
+
+def test_libvirts_client_key_is_roots_alone(tmp_path: Path) -> None:
+    ca = pki.make_ca(tmp_path / "cluster")
+    tree = tmp_path / "h1" / "pki"
+    pki.host_tree(tree, ca, "10.217.0.1", "thinvm-h1", qemu_gid=os.getgid())
+    private = tree / "libvirt" / "private"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    for key in ("clientkey.pem", "serverkey.pem"):
+        st = (private / key).stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.getuid()), key

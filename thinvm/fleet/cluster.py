@@ -5,10 +5,11 @@ mount and UTS namespaces: /etc/libvirt, /var/lib/libvirt, /run/libvirt,
 /var/cache/libvirt, /var/log/libvirt and /etc/pki are bind mounts of a
 per-host directory, the host has its own host name, host UUID and a TLS
 listener on its own address.  Hosts talk to each other only over TLS:
-`up` makes a cluster CA and gives every host a server and a client
-certificate in libvirt's PKI layout (thinvm.fleet.pki); a client without
-a certificate from that CA is refused, and QEMU's migration stream is
-TLS too (qemu.conf migrate_tls_force).  The hosts are joined by veth
+`up` makes a cluster CA and gives every host libvirt's server and client
+certificates and QEMU's own migration pair in libvirt's PKI layout
+(thinvm.fleet.pki); libvirtd lets in only a libvirt client certificate
+of that CA (tls_allowed_dn_list), so not QEMU's, and QEMU's migration
+stream is TLS too (qemu.conf migrate_tls_force).  The hosts are joined by veth
 pairs through a bridge in a namespace of its own, optionally shaped with
 a token bucket (`--link 10gbit`).  All traffic stays inside these
 namespaces; the control plane talks to each libvirtd through its unix
@@ -40,6 +41,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -208,12 +210,16 @@ def _listener(tls: bool) -> str:
             "# `up --no-tls`: plain TCP, no authentication (to measure TLS).\n"
             'listen_tls = 0\nlisten_tcp = 1\nauth_tcp = "none"\n'
         )
+    dns = ", ".join(f'"{dn}"' for dn in pki.LIBVIRT_CLIENT_DNS)
     return (
         "# Peers reach this host over TLS only, and must show a client certificate\n"
-        "# of the cluster CA (tls_no_verify_certificate stays 0); the certificate\n"
-        "# is the authentication, so no SASL on top.  The unix socket is reached\n"
-        "# only by root, from the machine through the host's directory.\n"
+        "# of the cluster CA (tls_no_verify_certificate stays 0) whose DN is a\n"
+        "# libvirt client's: the certificates QEMU reads (/etc/pki/qemu) are of the\n"
+        "# same CA, and must not open another host.  The certificate is the\n"
+        "# authentication, so no SASL on top.  The unix socket is reached only\n"
+        "# by root, from the machine through the host's directory.\n"
         'listen_tls = 1\nlisten_tcp = 0\nauth_tls = "none"\n'
+        f"tls_allowed_dn_list = [ {dns} ]\n"
     )
 
 
@@ -252,17 +258,17 @@ _MIGRATE_TLS = "migrate_tls_force = 1\n"
 def host_script(host: Host, patched_dir: Path, stock_dir: Path) -> str:
     """The shell that turns a fresh mount+UTS namespace into the host and
     execs its libvirtd."""
-    lines = ["set -e", "mount --make-rprivate /", f"hostname {host.hostname}"]
+    q = shlex.quote  # THINVM_CLUSTER_DIR is the user's: any character
+    lines = ["set -e", "mount --make-rprivate /", f"hostname {q(host.hostname)}"]
     for key, inside in LIBVIRT_DIRS.items():
-        lines += [f"mkdir -p {inside}", f"mount --bind {host.root}/{key} {inside}"]
+        lines += [f"mkdir -p {q(inside)}", f"mount --bind {q(f'{host.root}/{key}')} {q(inside)}"]
     if host.flavour == "stock":
         # An older host: its thinvm emulator path holds stock QEMU.
-        lines.append(f"mount --bind {stock_dir} {patched_dir}")
+        lines.append(f"mount --bind {q(str(stock_dir))} {q(str(patched_dir))}")
     lines.append("ip link set lo up")
     # The default pid file, /run/libvirtd.pid, would be shared by all hosts.
-    lines.append(
-        f"exec libvirtd --listen -f {host.root}/etc/libvirtd.conf -p /run/libvirt/libvirtd.pid"
-    )
+    conf = q(f"{host.root}/etc/libvirtd.conf")
+    lines.append(f"exec libvirtd --listen -f {conf} -p /run/libvirt/libvirtd.pid")
     return "\n".join(lines) + "\n"
 
 
@@ -326,28 +332,38 @@ def packaged_host_script(
     """The shell that turns a fresh mount+UTS namespace into a packaged
     host and execs its libvirtd (or, on a systemd host, systemd), with the
     host's root as the namespace's."""
+    q = shlex.quote  # THINVM_CLUSTER_DIR is the user's: any character
     r = host.rootfs
+
+    def at(path: str | Path) -> str:
+        """A path in the host's root, quoted for the shell."""
+        return q(f"{r}{path}")
+
     lines = [
         "set -e",
         "mount --make-rprivate /",
-        f"hostname {host.hostname}",
-        f"mount -t proc proc {r}/proc",
-        *(_systemd_sysfs(host, hierarchies) if host.systemd else [f"mount -t sysfs sysfs {r}/sys"]),
+        f"hostname {q(host.hostname)}",
+        f"mount -t proc proc {at('/proc')}",
+        *(
+            _systemd_sysfs(host, hierarchies)
+            if host.systemd
+            else [f"mount -t sysfs sysfs {at('/sys')}"]
+        ),
         # A /dev of its own with the usual nodes and no /dev/kvm: the guests
         # run under TCG (README), and a /dev/kvm whose group is not the
         # host's kvm group made libvirt probe QEMU again at every call.
-        f"mount -t tmpfs -o mode=0755,nosuid tmpfs {r}/dev",
-        *(f"mknod -m 0666 {r}/dev/{name} c {nums}" for name, nums in _DEV_NODES),
-        f"mkdir -p {r}/dev/pts {r}/dev/shm",
-        f"mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 devpts {r}/dev/pts",
-        f"ln -s /proc/self/fd {r}/dev/fd",
-        f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {r}/dev/shm",
+        f"mount -t tmpfs -o mode=0755,nosuid tmpfs {at('/dev')}",
+        *(f"mknod -m 0666 {at(f'/dev/{name}')} c {nums}" for name, nums in _DEV_NODES),
+        f"mkdir -p {at('/dev/pts')} {at('/dev/shm')}",
+        f"mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 devpts {at('/dev/pts')}",
+        f"ln -s /proc/self/fd {at('/dev/fd')}",
+        f"mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs {at('/dev/shm')}",
         # Shared storage and images at the same path as on every host.
-        f"mkdir -p {r}{shared} {r}{images} {r}{APT_REPO_DIR}",
-        f"mount --bind {shared} {r}{shared}",
-        f"mount --bind {images} {r}{images}",
-        f"mount --bind {repo} {r}{APT_REPO_DIR}",
-        f"mount -o remount,bind,ro {r}{APT_REPO_DIR}",
+        f"mkdir -p {at(shared)} {at(images)} {at(APT_REPO_DIR)}",
+        f"mount --bind {q(str(shared))} {at(shared)}",
+        f"mount --bind {q(images)} {at(images)}",
+        f"mount --bind {q(str(repo))} {at(APT_REPO_DIR)}",
+        f"mount -o remount,bind,ro {at(APT_REPO_DIR)}",
         "ip link set lo up",
         f"export PATH={HOST_PATH}",
         # The host's root becomes the namespace's root (pivot_root, not
@@ -356,8 +372,8 @@ def packaged_host_script(
         # it at that namespace's root; under chroot that was the machine's
         # /, so the nodes (/dev/null, /dev/ptmx...) went there and QEMU's
         # /dev stayed empty ("Failed to create PTY" for a pty console).
-        f"mkdir -p {r}/run/thinvm-old-root",
-        f"cd {r}",
+        f"mkdir -p {at('/run/thinvm-old-root')}",
+        f"cd {q(str(r))}",
         "pivot_root . run/thinvm-old-root",
         "cd /",
         "umount -l /run/thinvm-old-root",
@@ -392,10 +408,11 @@ def _systemd_sysfs(host: Host, hierarchies: Sequence[str]) -> list[str]:
     plane reaches libvirtd's socket through it from outside, as on the
     other packaged hosts."""
     r = host.rootfs
+    sysfs, run = shlex.quote(f"{r}/sys"), shlex.quote(f"{r}/run")
     return [
-        f"mount -t sysfs -o ro sysfs {r}/sys",
+        f"mount -t sysfs -o ro sysfs {sysfs}",
         *hostcgroups.join_lines(r, host.netns, list(hierarchies)),
-        f"mount --bind {r}/run {r}/run",
+        f"mount --bind {run} {run}",
     ]
 
 

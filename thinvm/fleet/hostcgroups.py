@@ -14,6 +14,7 @@ machine lacks are mounted first, as a Debian server mounts them.
 
 import contextlib
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -128,12 +129,16 @@ def create(netns: str, names: list[str]) -> None:
 def join_lines(rootfs: Path, netns: str, names: list[str]) -> list[str]:
     """Shell lines that move the shell into the host's cgroups and show
     each as /sys/fs/cgroup/NAME in the host's root (a tmpfs there first)."""
-    lines = [f"mount -t tmpfs -o mode=0755,nosuid,nodev,noexec tmpfs {rootfs}/sys/fs/cgroup"]
+    q = shlex.quote  # the cluster directory is the user's: any character
+    lines = [
+        f"mount -t tmpfs -o mode=0755,nosuid,nodev,noexec tmpfs {q(f'{rootfs}/sys/fs/cgroup')}"
+    ]
     for name, cgroup in host_cgroups(netns, names).items():
+        inside = q(f"{rootfs}/sys/fs/cgroup/{name}")
         lines += [
-            f"mkdir {rootfs}/sys/fs/cgroup/{name}",
-            f"echo 0 > {cgroup}/cgroup.procs",
-            f"mount --bind {cgroup} {rootfs}/sys/fs/cgroup/{name}",
+            f"mkdir {inside}",
+            f"echo 0 > {q(f'{cgroup}/cgroup.procs')}",
+            f"mount --bind {q(str(cgroup))} {inside}",
         ]
     return lines
 
