@@ -190,7 +190,7 @@ def stop(root: str | Path | None, *, force: bool = False, timeout: float = 60.0)
             before = nr_hugepages(cfg.page_size)
             set_nr_hugepages(cfg.page_size, before - state.hugepages_added)
             state.hugepages_added = 0
-        with contextlib.suppress(OSError):  # not if others' files are left in it
+        with contextlib.suppress(OSError):  # fails, as it should, while files are left in it
             os.rmdir(cfg.directory)
         if cfg.mounted is not None:
             if subprocess.run(["umount", cfg.mounted], capture_output=True).returncode != 0:
