@@ -179,6 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ThinvmError as exc:
         print(f"thinvm: error: {exc}", file=sys.stderr)
         return 1
+    except PermissionError as exc:
+        # A file or directory of root's (a system pool, another user's run
+        # directory): one line, not a traceback.
+        where = f" on {exc.filename}" if exc.filename else ""
+        print(
+            f"thinvm: error: permission denied{where}: run as a user who may use it",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("thinvm: interrupted", file=sys.stderr)
         return 130

@@ -1,5 +1,6 @@
-"""Parsing and printing of memory sizes."""
+"""Parsing and printing of memory sizes, and parsing of durations."""
 
+import math
 import re
 
 from thinvm.errors import ThinvmError
@@ -36,3 +37,17 @@ def format_size(nbytes: float) -> str:
         if value >= scale:
             return f"{sign}{value / scale:.2f} {unit}"
     return f"{sign}{value:.0f} B"
+
+
+def parse_seconds(text: str, allow_zero: bool = False) -> float:
+    """Parse a duration in seconds ("30", "2.5"): a finite number above 0
+    (or 0 itself with allow_zero).  float() alone takes "nan" and "inf",
+    which a socket timeout or sleep() then refuses with a traceback."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        want = "0 or more seconds" if allow_zero else "a positive number of seconds"
+        raise ThinvmError(f"{text!r} is not {want}: use e.g. 30 or 2.5")
+    return value

@@ -2,8 +2,9 @@
 a thin layer over thinvm.vm.registry."""
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim_cli
@@ -11,7 +12,7 @@ from thinvm.guest.agent import shell_line
 from thinvm.pool import cli as pool_cli
 from thinvm.progress import ProgressLine
 from thinvm.qemu import builds
-from thinvm.units import format_size, parse_size
+from thinvm.units import format_size, parse_seconds, parse_size
 from thinvm.vm import balloon, migrate, registry, resize
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
@@ -24,6 +25,30 @@ shell syntax, ask for a shell:
 
   thinvm exec vm1 -- sh -c 'dd if=/dev/zero of=/tmp/f bs=1M count=8 2>/dev/null'
 """
+
+
+def vm_name(text: str) -> str:
+    """argparse type: a name a detached VM can have (registry.check_name)."""
+    try:
+        return registry.check_name(text)
+    except ThinvmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds(text: str) -> float:
+    """argparse type: a timeout, a positive and finite number of seconds."""
+    try:
+        return parse_seconds(text)
+    except ThinvmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds_or_zero(text: str) -> float:
+    """argparse type: a delay, 0 or more seconds (finite)."""
+    try:
+        return parse_seconds(text, allow_zero=True)
+    except ThinvmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_vm_options(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +68,13 @@ def add_vm_options(parser: argparse.ArgumentParser) -> None:
         "--no-reserve", action="store_true", help="do not reserve swap/RAM for guest memory"
     )
     parser.add_argument("--no-balloon", action="store_true", help="no virtio-balloon device")
-    parser.add_argument("--deflate-on-oom", action="store_true")
+    parser.add_argument(
+        "--deflate-on-oom",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let the guest take memory back from the balloon rather than run out "
+        "(default: on; docs/architecture.md, 'Balloon safety')",
+    )
     parser.add_argument("--free-page-hint", action="store_true")
     parser.add_argument("--free-page-reporting", action="store_true")
     parser.add_argument(
@@ -96,7 +127,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = config_from_args(args, args.name)
     if args.pool is not None:
         config.pool = str(pool_cli.pool_root(args.pool))
-    vm = registry.up(config)
+    try:
+        vm = registry.up(config)
+    except PermissionError as exc:
+        raise _pool_permission_error(config.pool, exc) from exc
     if vm.pool_note:
         print(f"thinvm: {args.name}: {vm.pool_note}", file=sys.stderr)
     memory = format_size(config.memory)
@@ -111,6 +145,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     if config.virtio_mem_plugged:
         _wait_initial_plug(config)
     return 0
+
+
+def _pool_permission_error(pool: str | None, exc: PermissionError) -> Exception:
+    """A warm pool this user may not use, said in one line (a system pool,
+    /var/lib/thinvm/pool, is root's); any other PermissionError goes on."""
+    if pool is None or not str(exc.filename or "").startswith(pool):
+        return exc
+    return ThinvmError(
+        f"cannot use the warm pool at {pool}: permission denied on {exc.filename}; "
+        "a pool is used by the user who started it (root for the system pool): run as "
+        "that user, or start the VM without --pool"
+    )
 
 
 def _wait_initial_plug(config: VMConfig) -> None:
@@ -173,18 +219,46 @@ def cmd_balloon(args: argparse.Namespace) -> int:
             return 0
         target = parse_size(args.size)
         balloon.check_target(vm, target)
+        if not args.force:
+            balloon.check_guest_floor(vm, target)
         before = vm.host_memory().rss
-        # Recorded first, so that a balance controller leaves the VM alone
-        # from now on rather than undoing the target while we wait for it.
-        registry.set_operator_target(vm, target)
-        balloon.set_target(vm, target)
-        seconds = balloon.wait_actual(vm, target, timeout=args.timeout)
+        back_to = vm.operator_target or balloon.query(vm).actual
+        with _held(vm, target):
+            seconds = balloon.move(vm, target, back_to=back_to, timeout=args.timeout)
         after = vm.host_memory().rss
         print(
             f"{args.name}: actual {format_size(balloon.query(vm).actual)} after {seconds:.2f} s; "
             f"host RSS {format_size(before)} -> {format_size(after)}"
         )
     return 0
+
+
+@contextlib.contextmanager
+def _held(vm: VM, target: int) -> Iterator[None]:
+    """Hold the VM at `target` for an operator (registry.set_operator_target).
+
+    Recorded first, so that a balance controller leaves the VM alone from
+    now on rather than undoing the target while we wait for it.  If the
+    guest does not get there, the hold before this command is restored
+    (none: the controller manages the VM again), so that a failed command
+    does not lock the controller out of a VM nobody holds any more.
+    """
+    previous = vm.operator_target
+    registry.set_operator_target(vm, target)
+    try:
+        yield
+    except BaseException as exc:
+        with contextlib.suppress(ThinvmError, OSError):
+            registry.set_operator_target(vm, previous)
+        if isinstance(exc, ThinvmError):
+            raise ThinvmError(f"{exc}; {_hold_note(vm.config.name, previous)}") from exc
+        raise
+
+
+def _hold_note(name: str, previous: int | None) -> str:
+    if previous is None:
+        return f"{name} is not held: the balance controller manages it again"
+    return f"{name} is held at {format_size(previous)} as before"
 
 
 def _resize_progress(line: ProgressLine) -> resize.Progress:
@@ -200,9 +274,12 @@ def cmd_resize(args: argparse.Namespace) -> int:
         plan = resize.plan_for(vm, parse_size(args.size))
         if plan.note:
             _warn(f"{args.name}: {plan.note}")
+        if plan.lever == "balloon":
+            return _resize_by_balloon(vm, plan, args)
         # As 'thinvm balloon' does: a balance controller leaves it there
-        # (recorded as the balloon target, or as the total with virtio-mem).
-        registry.set_operator_target(vm, plan.target if plan.lever == "balloon" else plan.size)
+        # (recorded as the total with virtio-mem).  A request the guest
+        # does not meet in time stands (docs/resize.md), and so does the hold.
+        registry.set_operator_target(vm, plan.size)
         before = vm.host_memory().rss
         line = ProgressLine(f"{args.name}: ")
         try:
@@ -210,11 +287,29 @@ def cmd_resize(args: argparse.Namespace) -> int:
         finally:
             line.done()
         after = vm.host_memory().rss
+    _print_resized(args.name, result, before, after)
+    return 0
+
+
+def _resize_by_balloon(vm: VM, plan: resize.Plan, args: argparse.Namespace) -> int:
+    """`thinvm resize` on a VM without virtio-mem: as `thinvm balloon` does."""
+    if not args.force:
+        balloon.check_guest_floor(vm, plan.target)
+    before = vm.host_memory().rss
+    back_to = vm.operator_target or balloon.query(vm).actual
+    with _held(vm, plan.target):
+        seconds = balloon.move(vm, plan.target, back_to=back_to, timeout=args.timeout)
+    after = vm.host_memory().rss
+    result = resize.ResizeResult(plan.lever, balloon.query(vm).actual, seconds)
+    _print_resized(vm.config.name, result, before, after)
+    return 0
+
+
+def _print_resized(name: str, result: resize.ResizeResult, before: int, after: int) -> None:
     print(
-        f"{args.name}: {format_size(result.size)} by {result.lever} after "
+        f"{name}: {format_size(result.size)} by {result.lever} after "
         f"{result.seconds:.2f} s; host RSS {format_size(before)} -> {format_size(after)}"
     )
-    return 0
 
 
 def _warn(note: str) -> None:
@@ -232,8 +327,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             raise ThinvmError(
                 "--sparse needs the patched QEMU build: start the VM with --build patched"
             )
-        if args.postcopy is not None and args.postcopy < 0:
-            raise ThinvmError(f"--postcopy {args.postcopy:g}: want seconds, 0 or more")
         if args.trim:
             trim_cli.before_migration(src, args.name)
         # Said both ways: a VM that arrived by an earlier migration still has
@@ -291,19 +384,31 @@ def _add_sizing(
     """`thinvm COMMAND NAME SIZE|auto`: an operator's size, which a balance
     controller then leaves alone until `thinvm COMMAND NAME auto`."""
     p = sub.add_parser(command, help=help_text)
-    p.add_argument("name")
+    p.add_argument("name", type=vm_name)
     p.add_argument(
         "size",
         help=f"{size}; a balance controller then leaves the VM there until "
         f"'thinvm {command} NAME auto'",
     )
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=300.0,
+        help="seconds the guest may take to get there; if it does not, the target and "
+        "the hold are set back to what they were (default: %(default)s)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="a balloon target below what the guest uses plus "
+        f"{format_size(balloon.GUEST_HEADROOM)} (refused without it)",
+    )
     p.set_defaults(func=func)
 
 
 def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("up", help="start a VM in the background")
-    p.add_argument("--name", default="thinvm")
+    p.add_argument("--name", type=vm_name, default="thinvm")
     add_vm_options(p)
     p.add_argument(
         "--pool",
@@ -315,7 +420,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("status", help="state, balloon and host memory of VMs")
-    p.add_argument("name", nargs="?")
+    p.add_argument("name", nargs="?", type=vm_name)
     p.set_defaults(func=cmd_status)
 
     _add_sizing(
@@ -334,14 +439,14 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     )
 
     p = sub.add_parser("migrate", help="live-migrate a VM to a new local QEMU")
-    p.add_argument("name")
+    p.add_argument("name", type=vm_name)
     p.add_argument("--uri", help="migrate to an existing destination, e.g. tcp:127.0.0.1:4444")
     p.add_argument(
         "--sparse", action="store_true", help="skip RAM the host never populated (sparse-ram)"
     )
     p.add_argument(
         "--postcopy",
-        type=float,
+        type=seconds_or_zero,
         metavar="SECONDS",
         help="switch to postcopy this long after the start (0: at once); with --uri the "
         "destination must have postcopy-ram on",
@@ -352,7 +457,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     trim_cli.add_parser(sub, registry.attached)
 
     p = sub.add_parser("down", help="stop a VM")
-    p.add_argument("name", nargs="?")
+    p.add_argument("name", nargs="?", type=vm_name)
     p.add_argument("--all", action="store_true")
     p.set_defaults(func=cmd_down)
 
@@ -362,7 +467,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
         description=EXEC_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("name")
+    p.add_argument("name", type=vm_name)
     p.add_argument("command", nargs="*", help="the guest's argv, after '--'")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=seconds, default=300.0, help="seconds (default: %(default)s)")
     p.set_defaults(func=cmd_exec)

@@ -15,10 +15,13 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -546,8 +549,12 @@ class VM:
             self.pool_note = f"{exc}: preallocating anonymous RAM instead"
 
     def _return_pool_slot(self) -> None:
-        """QEMU is gone: its slot is scrubbed before anyone gets it again."""
-        if self.config.pool is not None:
+        """QEMU is gone: its slot is scrubbed before anyone gets it again.
+
+        Nothing to return without a lease or a QEMU that may hold one (no
+        slot was taken): the pool is not touched, nor warned about.
+        """
+        if self.config.pool is not None and (self.pool_lease is not None or self.pid is not None):
             pool_lease.release_vm(self.config.pool, self.pool_lease, self.pid)
             self.pool_lease = None
 
@@ -855,10 +862,7 @@ class VM:
         monitor=False: no QMP monitor, for a client that needs only the
         agent (it takes its turns there, and leaves the monitors to others).
         """
-        state_file = rundir / "state.json"
-        if not state_file.is_file():
-            raise ThinvmError(f"no VM named {rundir.name!r}: start one with 'thinvm up'")
-        state = json.loads(state_file.read_text())
+        state = read_state_file(rundir)
         vm = cls(VMConfig.from_json(state["config"]), rundir=rundir, detached=True)
         vm.pid = int(state["pid"])
         vm.accel = state.get("accel")
@@ -896,23 +900,94 @@ def _pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+class UnreadableState(ThinvmError):
+    """A detached VM's state.json exists but cannot be used: not JSON, or
+    without a pid and config thinvm can read."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        name = path.parent.name
+        super().__init__(
+            f"VM {name!r} has an unreadable state file {path} ({reason}): "
+            f"'thinvm down {name}' stops its QEMU and removes it"
+        )
+
+
+def read_state_file(rundir: Path) -> dict[str, Any]:
+    """A detached VM's state.json, checked: a pid and a config VMConfig takes.
+
+    Raises ThinvmError if there is none, UnreadableState if it is there
+    but cannot be used (a partial write by an older thinvm, an edit, a
+    disk error), so that no caller meets a JSON or KeyError traceback.
+    """
+    path = rundir / "state.json"
+    if not path.exists():
+        raise ThinvmError(f"no VM named {rundir.name!r}: start one with 'thinvm up'")
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        int(state["pid"])
+        VMConfig.from_json(state["config"])
+    except KeyError as exc:
+        raise UnreadableState(path, f"no {exc} in it") from exc
+    except (OSError, ValueError, TypeError) as exc:
+        raise UnreadableState(path, str(exc) or type(exc).__name__) from exc
+    return state
+
+
 def kill_unreachable(rundir: Path) -> int | None:
     """Kill the QEMU of a detached VM that can no longer be reached over QMP.
 
-    The pid comes from the VM's state file and is killed only if it still
-    runs a QEMU for this VM, so a reused pid is left alone.  Returns the
-    pid killed, or None.
+    The QEMU is found by the pid in the VM's state file, else by the pid
+    file QEMU wrote in the run directory, else as the process listening
+    on one of its QMP sockets (its peer credentials), so that a VM whose
+    state file is unreadable can still be stopped.  A pid is killed only
+    if it runs a QEMU for this VM, so a reused pid is left alone.
+    Returns the pid killed, or None.
     """
+    for pid in _qemu_pid_candidates(rundir):
+        if _is_qemu_of(pid, rundir.name):
+            os.kill(pid, signal.SIGKILL)
+            _wait_pid_gone(pid, 5.0)
+            return pid
+    return None
+
+
+def _qemu_pid_candidates(rundir: Path) -> Iterator[int]:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        yield int(json.loads((rundir / "state.json").read_text())["pid"])
+    with contextlib.suppress(OSError, ValueError):
+        yield int((rundir / "qemu.pid").read_text().strip())
+    for sock in sorted(rundir.glob("qmp*.sock")):
+        if (pid := _listener_pid(sock)) is not None:
+            yield pid
+
+
+def _listener_pid(sock: Path) -> int | None:
+    """The pid of the process listening on UNIX socket `sock` (SO_PEERCRED
+    of a connection: the listener's credentials, even before it accepts)."""
+    creds = struct.Struct("3i")  # struct ucred: pid, uid, gid
     try:
-        pid = int(json.loads((rundir / "state.json").read_text())["pid"])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(1.0)
+            conn.connect(str(sock))
+            pid, _uid, _gid = creds.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, creds.size)
+            )
+    except OSError:
+        return None
+    return pid if pid > 0 else None
+
+
+def _is_qemu_of(pid: int, name: str) -> bool:
+    """Whether `pid` runs a QEMU that thinvm started for VM `name` (-name thinvm-NAME)."""
+    try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, ValueError, KeyError):
-        return None
-    if b"-name" not in cmdline or f"thinvm-{rundir.name}".encode() not in cmdline:
-        return None
-    os.kill(pid, signal.SIGKILL)
-    _wait_pid_gone(pid, 5.0)
-    return pid
+    except OSError:
+        return False
+    return b"-name" in cmdline and f"thinvm-{name}".encode() in cmdline
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:

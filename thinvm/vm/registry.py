@@ -18,7 +18,7 @@ the QEMU that took over, instead of failing on the one that quit.
 """
 
 import contextlib
-import json
+import re
 import secrets
 import shutil
 import tempfile
@@ -30,7 +30,7 @@ from thinvm.errors import ThinvmError
 from thinvm.host.locks import FileLock
 from thinvm.paths import run_dir
 from thinvm.vm import migrate
-from thinvm.vm.machine import VM, VMConfig, kill_unreachable
+from thinvm.vm.machine import VM, UnreadableState, VMConfig, kill_unreachable, read_state_file
 
 # How long a client waits for a switchover (a QEMU quitting, a VM booting).
 LOCK_TIMEOUT = 150.0
@@ -38,17 +38,36 @@ LOCK_TIMEOUT = 150.0
 AGENT_QUIET_TIMEOUT = 10.0
 
 
+# A VM's name is a file name (its run directory, its lock .NAME.lock), a
+# word in QEMU's `-name thinvm-NAME` (where a comma would end the value)
+# and part of its socket paths, which a UNIX socket address limits to 107
+# bytes: 64 characters leave room for those under the default run
+# directory (~/.cache/thinvm/run/NAME/qmp-3.sock).
+NAME_MAX = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def check_name(name: str) -> str:
+    """`name` if it can name a detached VM, else ThinvmError saying why not."""
+    if len(name) > NAME_MAX or not _NAME_RE.fullmatch(name):
+        shown = name if len(name) <= 40 else f"{name[:20]}...{name[-8:]}"
+        raise ThinvmError(
+            f"bad VM name {shown!r} ({len(name)} characters): use 1 to {NAME_MAX} ASCII "
+            "letters, digits, '-' or '_', starting with a letter or digit"
+        )
+    return name
+
+
 def rundir(name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
-        raise ThinvmError(f"bad VM name {name!r}: use letters, digits, '-' or '_'")
-    return run_dir() / name
+    return run_dir() / check_name(name)
 
 
 def names() -> list[str]:
-    """Detached VMs that are up, by name."""
+    """Detached VMs that are up, by name (directories with a state file)."""
     if not run_dir().is_dir():
         return []
-    return sorted(p.parent.name for p in run_dir().glob("*/state.json"))
+    found = (p.parent.name for p in run_dir().glob("*/state.json"))
+    return sorted(name for name in found if _NAME_RE.fullmatch(name) and len(name) <= NAME_MAX)
 
 
 @contextlib.contextmanager
@@ -117,6 +136,12 @@ def down(name: str) -> list[str]:
                 vm.shutdown()
             finally:
                 vm.disconnect()
+        except UnreadableState as exc:
+            notes.append(
+                f"warning: its state file {exc.path} is unreadable ({exc.reason}): "
+                "looking for its QEMU by the pid file and QMP sockets in its run directory"
+            )
+            notes.append(_kill_unreachable(directory))
         except ThinvmError as exc:
             notes.append(str(exc))
             # Its QEMU may still run without a monitor we can reach.
@@ -124,6 +149,13 @@ def down(name: str) -> list[str]:
                 notes.append(f"killed QEMU pid {pid}")
         _discard(directory)
     return notes
+
+
+def _kill_unreachable(directory: Path) -> str:
+    """kill_unreachable(), said in a note."""
+    if (pid := kill_unreachable(directory)) is not None:
+        return f"killed QEMU pid {pid}"
+    return "no QEMU of this VM is running (none found by pid file or QMP socket)"
 
 
 def _discard(directory: Path) -> None:
@@ -148,7 +180,7 @@ def set_operator_target(vm: VM, target: int | None) -> None:
     """
     name = vm.config.name
     with name_lock(name, exclusive=True):
-        state = _read_state(rundir(name))
+        state = read_state_file(rundir(name))
         if state.get("pid") != vm.pid:
             raise ThinvmError(f"VM {name!r} was migrated or restarted meanwhile: retry")
         vm.operator_target = target
@@ -157,15 +189,7 @@ def set_operator_target(vm: VM, target: int | None) -> None:
 
 def read_state(name: str) -> dict[str, Any]:
     """NAME's state.json: its QEMU's pid, config and operator target."""
-    return _read_state(rundir(name))
-
-
-def _read_state(directory: Path) -> dict[str, Any]:
-    try:
-        data: dict[str, Any] = json.loads((directory / "state.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ThinvmError(f"no VM named {directory.name!r}: start one with 'thinvm up'") from exc
-    return data
+    return read_state_file(rundir(name))
 
 
 @contextlib.contextmanager
