@@ -7,4 +7,4 @@ from tests.unit.test_qemu_patches import run_qtests
 
 
 def test_sparse_ram_precopy_qtests_pass() -> None:
-    run_qtests("/sparse-ram/(precopy|multifd|implied)/", minimum=8)
+    run_qtests("/sparse-ram/(precopy|multifd|implied)/", minimum=9)

@@ -7,4 +7,4 @@ from tests.unit.test_qemu_patches import run_qtests
 
 
 def test_sparse_ram_file_and_refusal_qtests_pass() -> None:
-    run_qtests("/sparse-ram/(?!postcopy/|precopy/|multifd/|implied/)", minimum=15)
+    run_qtests("/sparse-ram/(?!postcopy/|precopy/|multifd/|implied/)", minimum=16)
