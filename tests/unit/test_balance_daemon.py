@@ -23,7 +23,7 @@ from thinvm.balance.daemon import Controller, format_status, load_status
 from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
 from thinvm.errors import AgentBusy, ThinvmError
-from thinvm.units import GiB, KiB, MiB
+from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
 
 DATA = Path(__file__).parent / "data" / "balance"
@@ -42,6 +42,7 @@ class FakeBackend:
         self.reclaimer: Reclaimer | None = None
         self.reporting = False
         self.switched: list[tuple[str, bool]] = []
+        self.identity = "fake 1"
 
     def sample(self) -> list[VmSample]:
         return [
@@ -53,9 +54,13 @@ class FakeBackend:
                 held=self.held.get(name),
                 reporting=self.reporting,
                 reclaimer=self.reclaimer,
+                identity=self.identity,
             )
             for name, actual in self.actual.items()
         ]
+
+    def sample_errors(self) -> list[str]:
+        return []
 
     def set_reclaim(self, vm: str, on: bool) -> None:
         self.switched.append((vm, on))
@@ -143,14 +148,19 @@ def test_state_is_written_before_acting_and_a_restart_resends_it(tmp_path: Path)
     saved = json.loads(state.read_text())
     last = backend.sent[-1][1]
     assert saved["vms"]["g"]["state"]["target"] == last
+    assert saved["vms"]["g"]["identity"] == "fake 1"
     # "kill" between writing the state and sending: QEMU still has the old target.
     backend.actual["g"] = 1 * GiB
     restarted = FakeBackend()
     restarted.actual = dict(backend.actual)
-    ctl2 = controller(restarted, state)
+    ctl2, lines = logged_controller(restarted, state)
     ctl2.resume()
     assert ctl2.cycle == saved["cycle"] + 1
-    assert restarted.sent == [("g", last)]
+    assert restarted.sent == [], "re-sent before any sample"
+    ctl2.step()
+    # The same VM, with the free memory for it: the target goes again.
+    assert restarted.sent[0] == ("g", last)
+    assert any(f"g: resume: target {format_size(last)} re-sent" in line for line in lines)
 
 
 def test_a_failed_target_is_not_remembered_as_set(tmp_path: Path) -> None:
@@ -232,7 +242,9 @@ def test_libvirt_backend_resizes_virtio_mem_and_skips_a_vanished_domain() -> Non
     backend = FakeVirsh({"vmem": xml}, stats)
     (sample,) = backend.sample()
     assert sample.name == "vmem" and sample.actual == 644 * MiB
-    assert backend.lines == ["gone: not sampled: virsh dumpxml: failed to get domain 'gone'"]
+    assert backend.sample_errors() == [
+        "gone: not sampled: virsh dumpxml: failed to get domain 'gone'"
+    ]
     backend.set_target("vmem", 512 * MiB + 64 * MiB)
     assert backend.calls[-1] == (
         "update-memory-device", "vmem", "--alias", "ua-vmem0",

@@ -6,6 +6,7 @@ small so the daemon, the tests and the benchmark can swap them.
 """
 
 import contextlib
+import functools
 import subprocess
 import threading
 import time
@@ -17,11 +18,14 @@ from typing import Any, Protocol, TypeVar
 
 from thinvm.balance.model import (
     Backing,
+    BadGuestData,
+    GuestStats,
     HostSample,
     Lever,
     Reclaimer,
     VirtioMem,
     VmSample,
+    guest_count,
     parse_guest_stats,
 )
 from thinvm.errors import AgentBusy, GuestError, ThinvmError
@@ -29,9 +33,10 @@ from thinvm.guest import trim
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
+from thinvm.host.procs import proc_start_time
 from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm import balloon, registry, resize
-from thinvm.vm.machine import VM
+from thinvm.vm.machine import VM, UnreadableState
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
 # How often the guest reclaimer's counters are read again: they serve the
@@ -52,7 +57,16 @@ TRIM_FLOOR_SECONDS = 60.0
 TRIM_STOPS_AT_HOT = ("floor", "refaults", "pressure", "no_progress")
 MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
 MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
+VIRSH_TIMEOUT = 30.0  # seconds: a virsh call that takes longer is a failed call
 T = TypeVar("T")
+
+
+def describe_error(exc: BaseException) -> str:
+    """An error for the log: thinvm's own errors say what went wrong; any
+    other exception also names its type, so a bug can be found from it."""
+    if isinstance(exc, ThinvmError | BadGuestData):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def cache_floor_of(trim_reply: dict[str, Any]) -> int:
@@ -65,9 +79,9 @@ def cache_floor_of(trim_reply: dict[str, Any]) -> int:
     statistics' page cache, asked a guest holding 87 MiB of hot cache to
     trim 23 MiB every second for a minute (overcommit probe, 2026-11-26).
     """
-    floor = int(trim_reply.get("floor_bytes", 0) or 0)
+    floor = guest_count(trim_reply.get("floor_bytes", 0), "floor_bytes")
     if trim_reply.get("stop") in TRIM_STOPS_AT_HOT:
-        floor = max(floor, int(trim_reply.get("cache_after", 0) or 0))
+        floor = max(floor, guest_count(trim_reply.get("cache_after", 0), "cache_after"))
     return floor
 
 
@@ -82,7 +96,15 @@ class VmGone(ThinvmError):
 class VmBackend(Protocol):
     name: str
 
-    def sample(self) -> list[VmSample]: ...
+    def sample(self) -> list[VmSample]:
+        """Every VM managed.  A VM that cannot be sampled is left out of the
+        list and its error kept for sample_errors(): one guest never keeps
+        the others from being sampled."""
+        ...
+
+    def sample_errors(self) -> list[str]:
+        """The per-VM errors since the last call, each "NAME: what went wrong"."""
+        ...
 
     def set_target(self, vm: str, target: int) -> None: ...
 
@@ -168,6 +190,20 @@ class RssBudget:
         return _with_psi(self.limit, available, 0, read_psi())
 
 
+class DomainRssBudget(RssBudget):
+    """An RssBudget for libvirt domains: their RSS as libvirt reports it
+    (`balloon.rss`), so no QEMU pid needs to be known.  The local host's
+    MemAvailable and PSI stand in for the domains' host, as with WholeHost:
+    use it with a local URI."""
+
+    def __init__(self, limit: int, backend: "LibvirtBackend") -> None:
+        super().__init__(limit, lambda: ())
+        self.backend = backend
+
+    def used(self) -> int:
+        return self.backend.rss()
+
+
 # -- thinvm VMs ----------------------------------------------------------------
 
 
@@ -205,6 +241,13 @@ def _set_virtio_mem(vm: Any, target: int) -> None:
         balloon.set_target(vm, vmem.base)
 
 
+def _process_identity(pid: int | None) -> str | None:
+    """Which QEMU process this is: its pid and start time (a later process
+    may get the same pid, never the same pid and start time)."""
+    start = proc_start_time(pid) if pid is not None else None
+    return f"pid {pid} started {start}" if start is not None else None
+
+
 class ThinvmBackend:
     """VMs started by thinvm: detached ones (`thinvm up`) or VM objects given.
 
@@ -237,6 +280,7 @@ class ThinvmBackend:
         self._trims: dict[str, threading.Thread] = {}  # in flight
         # name -> (when the last trim answered, the cache it could not take)
         self._cache_floors: dict[str, tuple[float, int]] = {}
+        self._errors: list[str] = []  # per VM, since sample_errors() last took them
 
     def _managed(self) -> list[str]:
         # A VM mid-switchover is missing from the listing for a moment:
@@ -249,13 +293,20 @@ class ThinvmBackend:
     def _attach(self, name: str) -> Any | None:
         """The VM called `name`, attached; None if it is gone.  Needs its name lock."""
         vm = self._attached.get(name)
+        unreadable: UnreadableState | None = None
         try:
             state = registry.read_state(name)
+        except UnreadableState as exc:
+            state, unreadable = None, exc
         except ThinvmError:
             state = None
         if vm is not None and (state is None or state.get("pid") != vm.pid or not vm.alive()):
             self._attached.pop(name).disconnect()  # stopped, or replaced by a migration
             vm = None
+        if unreadable is not None:
+            # Not gone: a VM we cannot manage (a state file of another
+            # thinvm version, an edit) is that VM's error, said every cycle.
+            raise unreadable
         if state is None:
             return None
         if vm is None:
@@ -265,19 +316,28 @@ class ThinvmBackend:
         return vm
 
     def _each_vm(self, func: Callable[[Any], T]) -> list[T]:
-        """func(vm) for every VM managed, each under its name lock."""
-        if self._given is not None:
-            return [func(vm) for vm in self._given if vm.alive()]
+        """func(vm) for every VM managed, each under its name lock if detached.
+
+        Whatever goes wrong with one VM (its QEMU, its guest, its state
+        file) is kept as that VM's error and the others are served: a guest
+        is not trusted, and the controller serves every VM of the host, so
+        any exception counts here, a bug in reading a reply included."""
         results = []
-        for name in self._managed():
+        for name, call in self._calls(func):
             try:
-                with registry.name_lock(name):
-                    vm = self._attach(name)
-                    if vm is not None:
-                        results.append(func(vm))
-            except (ThinvmError, OSError, TimeoutError) as exc:
-                self.log(f"{name}: not sampled: {exc}")
+                results.append(call())
+            except VmGone:
+                continue
+            except Exception as exc:
+                self._errors.append(f"{name}: not sampled: {describe_error(exc)}")
         return results
+
+    def _calls(self, func: Callable[[Any], T]) -> list[tuple[str, Callable[[], T]]]:
+        if self._given is not None:
+            return [
+                (vm.config.name, functools.partial(func, vm)) for vm in self._given if vm.alive()
+            ]
+        return [(name, functools.partial(self._with_vm, name, func)) for name in self._managed()]
 
     def pids(self) -> list[int]:
         return [pid for pid in self._each_vm(lambda vm: vm.pid) if pid is not None]
@@ -285,12 +345,17 @@ class ThinvmBackend:
     def sample(self) -> list[VmSample]:
         return self._each_vm(self._sample_one)
 
+    def sample_errors(self) -> list[str]:
+        errors, self._errors = self._errors, []
+        return errors
+
     def _sample_one(self, vm: Any) -> VmSample:
         name, config = vm.config.name, vm.config
         mem = vm.host_memory()
         vmem = _virtio_mem(vm)
+        identity = _process_identity(vm.pid)
         if not config.balloon.enabled and vmem is None:
-            return VmSample(name, config.memory, None, host_rss=mem.rss)
+            return VmSample(name, config.memory, None, host_rss=mem.rss, identity=identity)
         levers: list[Lever] = []
         stats = None
         actual = config.memory
@@ -300,7 +365,7 @@ class ThinvmBackend:
             polling = "guest-stats-polling-interval"
             if vm.qmp("qom-get", path=balloon.BALLOON_PATH, property=polling) < 1:
                 balloon.enable_stats(vm, STATS_POLL_SECONDS)
-            stats = parse_guest_stats(balloon.stats(vm), now=time.time())
+            stats = self._guest_stats(name, balloon.stats(vm))
         if vmem is not None:
             levers.append(Lever.VIRTIO_MEM)
             actual += vmem.plugged
@@ -328,7 +393,17 @@ class ThinvmBackend:
             reclaimer=self._reclaimer_of(vm) if config.balloon.free_page_reporting else None,
             levers=tuple(levers),
             virtio_mem=vmem,
+            identity=identity,
         )
+
+    def _guest_stats(self, name: str, reply: dict[str, Any]) -> GuestStats | None:
+        """The balloon statistics, or None (never shrink) if the guest sent
+        values that cannot be right: an error of that VM, not of the cycle."""
+        try:
+            return parse_guest_stats(reply, now=time.time())
+        except BadGuestData as exc:
+            self._errors.append(f"{name}: balloon statistics ignored: {exc}")
+            return None
 
     def _reclaimer_of(self, vm: Any) -> Reclaimer | None:
         """The reclaimer, with the cache floor its last trim (if recent) found."""
@@ -365,7 +440,12 @@ class ThinvmBackend:
             # ask again next period.
             self._reclaimers[name] = (time.monotonic(), known)
             return known
-        known = Reclaimer.from_counters(counters) if counters is not None else None
+        try:
+            known = Reclaimer.from_counters(counters) if counters is not None else None
+        except BadGuestData as exc:
+            # An agent that sends garbage has no reclaimer to count on.
+            self._errors.append(f"{name}: guest reclaimer ignored: {exc}")
+            known = None
         self._reclaimers[name] = (time.monotonic(), known)
         return known
 
@@ -427,10 +507,16 @@ class ThinvmBackend:
             if reply is None:
                 self.log(f"{vm}: trim of {format_size(max_bytes)} not done: {why}")
                 return
-            got = int(reply.get("reclaimed_bytes_trim", 0))
-            self.log(f"{vm}: trimmed {format_size(got)} (stopped: {reply.get('stop', '?')})")
-            self._reclaimers[vm] = (time.monotonic(), Reclaimer.from_counters(reply))
-            self._cache_floors[vm] = (time.monotonic(), cache_floor_of(reply))
+            try:
+                got = guest_count(reply.get("reclaimed_bytes_trim", 0), "reclaimed_bytes_trim")
+                reclaimer, floor = Reclaimer.from_counters(reply), cache_floor_of(reply)
+            except BadGuestData as exc:
+                self._errors.append(f"{vm}: trim answer ignored: {exc}")
+                return
+            stop = str(reply.get("stop", "?"))[:40]
+            self.log(f"{vm}: trimmed {format_size(got)} (stopped: {stop})")
+            self._reclaimers[vm] = (time.monotonic(), reclaimer)
+            self._cache_floors[vm] = (time.monotonic(), floor)
 
         thread = threading.Thread(target=run, name=f"trim-{vm}", daemon=True)
         self._trims[vm] = thread
@@ -556,15 +642,51 @@ def parse_virtio_mem(xml: str) -> DomainVirtioMem | None:
     return DomainVirtioMem(alias=str(alias.get("name")), device=device, balloon=balloon)
 
 
+def parse_backing(xml: str) -> Backing:
+    """How a domain's RAM is backed on the host, from its domain XML.
+
+    `<memoryBacking><hugepages/>` puts it on hugetlbfs; `<locked/>` mlocks
+    it, as a VFIO device (`<hostdev>` of a PCI device or an mdev) pins it.
+    A balloon frees nothing of pinned RAM, and of hugetlbfs RAM only whole
+    huge pages, which the host may hand to someone else: a later deflate
+    then finds no huge page to fault in and QEMU dies of SIGBUS."""
+    root = ET.fromstring(xml)
+    if root.find("memoryBacking/hugepages") is not None:
+        return Backing.HUGETLBFS
+    if root.find("memoryBacking/locked") is not None:
+        return Backing.PINNED
+    for hostdev in root.findall("devices/hostdev"):
+        if hostdev.get("mode", "subsystem") == "subsystem" and hostdev.get("type") in (
+            "pci",
+            "mdev",
+        ):
+            return Backing.PINNED
+    return Backing.ANONYMOUS
+
+
+def domain_identity(xml: str) -> str | None:
+    """Which run of a domain a live domain XML is: its UUID (a domain
+    defined anew has another) and its domain id (libvirt gives a domain a
+    new one each time it starts).  None for XML without a UUID."""
+    root = ET.fromstring(xml)
+    uuid = (root.findtext("uuid") or "").strip()
+    if not uuid:
+        return None
+    return f"uuid {uuid} id {root.get('id', '-')}"
+
+
 def domain_sample(
     dom: DomainStats,
     now: float,
     migrating: bool = False,
     virtio_mem: VirtioMem | None = None,
+    backing: Backing = Backing.ANONYMOUS,
+    identity: str | None = None,
 ) -> VmSample:
     """A VmSample from libvirt's balloon statistics of one domain (and its
     virtio-mem device: libvirt's `balloon.current` already counts what the
-    guest has plugged, and the guest can have all of the device)."""
+    guest has plugged, and the guest can have all of the device).
+    BadGuestData if the guest's statistics cannot be right."""
     v = dom.values
     stats: dict[str, int] = {q: v[k] * KiB for k, q in _LIBVIRT_TO_QMP.items() if k in v}
     stats.update({q: v[k] for k, q in _COUNTS.items() if k in v})
@@ -585,6 +707,8 @@ def domain_sample(
         host_rss=v["balloon.rss"] * KiB if "balloon.rss" in v else None,
         levers=levers,
         virtio_mem=virtio_mem,
+        backing=backing,
+        identity=identity,
     )
 
 
@@ -621,52 +745,78 @@ class LibvirtBackend:
         self.stats_period = stats_period
         self._period_set: set[str] = set()
         self._virtio_mem: dict[str, DomainVirtioMem] = {}
+        self._errors: list[str] = []
 
     def _virsh(self, *args: str) -> str:
+        command = f"virsh {' '.join(args)}"
         try:
             done = subprocess.run(
                 ["virsh", "-c", self.uri, *args],
                 capture_output=True,
                 text=True,
-                timeout=30,
+                timeout=VIRSH_TIMEOUT,
                 check=False,
             )
         except FileNotFoundError as exc:
             raise ThinvmError("virsh not found: install libvirt-clients") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise ThinvmError(
+                f"{command}: no answer from {self.uri} within {VIRSH_TIMEOUT:.0f} s"
+            ) from exc
+        except OSError as exc:
+            raise ThinvmError(f"{command}: cannot run virsh: {exc}") from exc
         if done.returncode != 0:
-            raise ThinvmError(f"virsh {' '.join(args)}: {done.stderr.strip() or done.stdout}")
+            raise ThinvmError(f"{command}: {done.stderr.strip() or done.stdout}")
         return done.stdout
 
-    def sample(self) -> list[VmSample]:
+    def _domains(self) -> list[DomainStats]:
         domains = parse_domstats(self._virsh("domstats", "--balloon", "--list-running"))
         if self._names:
             domains = [dom for dom in domains if dom.name in self._names]
+        return domains
+
+    def sample(self) -> list[VmSample]:
         now = time.time()
         samples = []
-        for dom in domains:
-            if dom.name not in self._period_set:
-                with contextlib.suppress(ThinvmError):
-                    period = str(self.stats_period)
-                    self._virsh("dommemstat", dom.name, "--period", period, "--live")
-                self._period_set.add(dom.name)
+        for dom in self._domains():
             try:
-                migrating = migrating_from_jobinfo(self._virsh("domjobinfo", dom.name))
-            except ThinvmError:
-                migrating = False
-            try:
-                vmem = parse_virtio_mem(self._virsh("dumpxml", dom.name))
-            except (ThinvmError, ET.ParseError) as exc:
-                # Gone since domstats (migrated away, shut down), or XML we
-                # cannot read: leave it out of this cycle, not the others.
+                samples.append(self._sample_one(dom, now))
+            except Exception as exc:
+                # Gone since domstats (migrated away, shut down), XML we
+                # cannot read, a virsh that hangs, statistics that cannot be
+                # right: leave it out of this cycle, not the others.  Any
+                # exception, as in ThinvmBackend._each_vm.
                 self._virtio_mem.pop(dom.name, None)
-                self.log(f"{dom.name}: not sampled: {exc}")
-                continue
-            if vmem is None:
-                self._virtio_mem.pop(dom.name, None)
-            else:
-                self._virtio_mem[dom.name] = vmem
-            samples.append(domain_sample(dom, now, migrating, vmem.device if vmem else None))
+                self._errors.append(f"{dom.name}: not sampled: {describe_error(exc)}")
         return samples
+
+    def sample_errors(self) -> list[str]:
+        errors, self._errors = self._errors, []
+        return errors
+
+    def _sample_one(self, dom: DomainStats, now: float) -> VmSample:
+        if dom.name not in self._period_set:
+            with contextlib.suppress(ThinvmError):
+                period = str(self.stats_period)
+                self._virsh("dommemstat", dom.name, "--period", period, "--live")
+            self._period_set.add(dom.name)
+        try:
+            migrating = migrating_from_jobinfo(self._virsh("domjobinfo", dom.name))
+        except ThinvmError:
+            migrating = False
+        xml = self._virsh("dumpxml", dom.name)
+        vmem = parse_virtio_mem(xml)
+        if vmem is None:
+            self._virtio_mem.pop(dom.name, None)
+        else:
+            self._virtio_mem[dom.name] = vmem
+        device = vmem.device if vmem else None
+        backing, identity = parse_backing(xml), domain_identity(xml)
+        return domain_sample(dom, now, migrating, device, backing=backing, identity=identity)
+
+    def rss(self) -> int:
+        """The host RSS of the domains managed (libvirt's `balloon.rss`)."""
+        return sum(dom.values.get("balloon.rss", 0) for dom in self._domains()) * KiB
 
     def set_target(self, vm: str, target: int) -> None:
         """virtio-mem's `requested-size` where the domain has the device (its

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from thinvm.balance.backends import (
     CgroupBudget,
+    DomainRssBudget,
     HostSource,
     LibvirtBackend,
     RssBudget,
@@ -15,15 +16,33 @@ from thinvm.balance.backends import (
     VmBackend,
     WholeHost,
 )
-from thinvm.balance.daemon import Controller, default_state_path, format_status, load_status
+from thinvm.balance.daemon import (
+    Controller,
+    claim_state,
+    default_state_path,
+    format_status,
+    load_status,
+)
 from thinvm.balance.model import VmLimits
 from thinvm.balance.policies import POLICIES, make_policy
 from thinvm.errors import ThinvmError
 from thinvm.units import parse_size
 
+# `balance run`'s exit status for arguments it cannot run with, as
+# argparse's own usage errors: thinvm-balance.service does not restart
+# on it (RestartPreventExitStatus=), since the same arguments would fail
+# the same way again.
+CONFIG_ERROR = 2
+
+
+class ConfigError(ThinvmError):
+    """The arguments of `balance run` do not make a controller."""
+
 
 def _limits_factory(args: argparse.Namespace) -> "LimitsFromArgs":
     floor = parse_size(args.floor) if args.floor else None
+    if args.floor_fraction is not None and not 0 < args.floor_fraction <= 1:
+        raise ConfigError(f"--floor-fraction must be in (0, 1], not {args.floor_fraction}")
     return LimitsFromArgs(floor, args.floor_fraction)
 
 
@@ -47,43 +66,67 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def controller_from(args: argparse.Namespace) -> Controller:
+    """The controller `balance run ARGS` runs; ConfigError if there is none."""
     if args.interval <= 0:
-        raise ThinvmError(f"--interval must be positive, not {args.interval}")
-    backend: VmBackend
-    if args.connect:
-        backend = LibvirtBackend(args.connect, names=args.vm, log=_log)
-    else:
-        backend = ThinvmBackend(names=args.vm, log=_log)
-    host: HostSource = WholeHost()
-    if args.cgroup:
-        host = CgroupBudget(args.cgroup)
-    elif args.budget:
-        if not isinstance(backend, ThinvmBackend):
-            raise ThinvmError("--budget counts thinvm VMs' RSS: use --cgroup with --connect")
-        host = RssBudget(parse_size(args.budget), backend.pids)
-    controller = Controller(
-        backend=backend,
-        host=host,
-        policy=make_policy(args.policy),
-        interval=args.interval,
-        state_path=Path(args.state) if args.state else default_state_path(),
-        dry_run=args.dry_run,
-        default_limits=_limits_factory(args),
-        log=_log,
-        verbose=args.verbose,
-    )
-    controller.resume()
-    _log(
-        f"balance: policy {args.policy}, backend {backend.name}, every {args.interval:g} s"
-        f"{' (dry run: no targets are set)' if args.dry_run else ''}; "
-        f"state {controller.state_path}"
-    )
-    stop = _StopOnSignal()
-    controller.run(cycles=args.cycles, stop=stop)
-    if stop.signum is not None:
-        name = signal.Signals(stop.signum).name
-        _log(f"balance: stopped by {name} after cycle {controller.cycle - 1}")
+        raise ConfigError(f"--interval must be positive, not {args.interval}")
+    if args.cycles is not None and args.cycles < 0:
+        raise ConfigError(f"--cycles must be 0 or more, not {args.cycles}")
+    if args.cgroup and args.budget:
+        raise ConfigError("--cgroup and --budget both set a budget: give one")
+    try:
+        backend: VmBackend
+        if args.connect:
+            backend = LibvirtBackend(args.connect, names=args.vm, log=_log)
+        else:
+            backend = ThinvmBackend(names=args.vm, log=_log)
+        host: HostSource = WholeHost()
+        if args.cgroup:
+            host = CgroupBudget(args.cgroup)
+        elif args.budget and isinstance(backend, LibvirtBackend):
+            host = DomainRssBudget(parse_size(args.budget), backend)
+        elif args.budget and isinstance(backend, ThinvmBackend):
+            host = RssBudget(parse_size(args.budget), backend.pids)
+        return Controller(
+            backend=backend,
+            host=host,
+            policy=make_policy(args.policy),
+            interval=args.interval,
+            state_path=Path(args.state) if args.state else default_state_path(),
+            dry_run=args.dry_run,
+            default_limits=_limits_factory(args),
+            log=_log,
+            verbose=args.verbose,
+        )
+    except ConfigError:
+        raise
+    except ThinvmError as exc:  # a size or a policy name that does not parse
+        raise ConfigError(str(exc)) from exc
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        controller = controller_from(args)
+    except ConfigError as exc:
+        print(f"thinvm: error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR
+    assert controller.state_path is not None
+    lock = claim_state(controller.state_path)
+    try:
+        controller.resume()
+        _log(
+            f"balance: policy {args.policy}, backend {controller.backend.name}, "
+            f"every {args.interval:g} s"
+            f"{' (dry run: no targets are set)' if args.dry_run else ''}; "
+            f"state {controller.state_path}"
+        )
+        stop = _StopOnSignal()
+        controller.run(cycles=args.cycles, stop=stop)
+        if stop.signum is not None:
+            name = signal.Signals(stop.signum).name
+            _log(f"balance: stopped by {name} after cycle {controller.cycle - 1}")
+    finally:
+        lock.release()
     return 0
 
 
@@ -128,7 +171,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
         "--vm", action="append", default=[], help="manage only this VM/domain (repeatable)"
     )
     p.add_argument("--cgroup", help="the guests share this memory cgroup's limit")
-    p.add_argument("--budget", help="the guests share this much host RSS (e.g. 3G)")
+    p.add_argument("--budget", help="the guests share this much host RSS (e.g. 48G)")
     p.add_argument("--floor", help="never balloon a guest below this (default: 1/4 of its RAM)")
     p.add_argument("--floor-fraction", type=float, help="floor as a fraction of guest RAM")
     p.add_argument("--cycles", type=int, help="stop after this many cycles")

@@ -16,6 +16,9 @@ from thinvm.units import MiB
 
 # QEMU reports a statistic the guest did not send as (uint64)-1.
 UNSET_STAT = (1 << 64) - 1
+# The largest count or size a guest may report; more (2^63 bytes is 8 EiB)
+# means the guest sent garbage.
+COUNT_MAX = (1 << 63) - 1
 
 # hw/virtio/virtio-balloon.c balloon_stat_names (QEMU 10.0) -> our names.
 # The last six come from Linux 6.12 guests only; 6.1 guests leave them unset.
@@ -74,22 +77,52 @@ class GuestStats:
         return {name: value for name, value in values.items() if value is not None}
 
 
+class BadGuestData(ValueError):
+    """A guest reported something that cannot be right: a count that is not
+    a whole number, is negative or is beyond any memory.  A guest is not
+    trusted; what it sent is left out and the controller carries on."""
+
+
+def guest_count(value: object, what: str) -> int:
+    """A count or size a guest reported, checked: an int in [0, COUNT_MAX]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= COUNT_MAX:
+        raise BadGuestData(f"{what} {value!r} is not a count")
+    return value
+
+
+def guest_flag(value: object, what: str) -> bool:
+    """A yes/no a guest reported, checked: a JSON boolean."""
+    if not isinstance(value, bool):
+        raise BadGuestData(f"{what} {value!r} is not true or false")
+    return value
+
+
 def parse_guest_stats(reply: dict[str, Any], now: float) -> GuestStats | None:
     """QMP `qom-get .../guest-stats` -> GuestStats; None if never reported.
 
     `last-update` is the host's wall clock (seconds) when the last report
     arrived; 0 means the guest has not reported since the device started.
+    A value the guest could not have meant (BadGuestData) is an error, so
+    the controller can say which guest sent it.
     """
-    last_update = int(reply.get("last-update", 0) or 0)
+    last_update = guest_count(reply.get("last-update", 0) or 0, "last-update")
     raw = reply.get("stats") or {}
     if last_update <= 0:
         return None
+    if not isinstance(raw, dict):
+        raise BadGuestData(f"balloon statistics {raw!r} are not an object")
     values: dict[str, int | None] = {}
     for qemu_name, name in STAT_NAMES.items():
         value = raw.get(qemu_name)
-        values[name] = None if value is None or int(value) in (UNSET_STAT, -1) else int(value)
-    if values["total"] is None or values["free"] is None:
+        unset = value is None or value in (UNSET_STAT, -1)
+        values[name] = None if unset else guest_count(value, qemu_name)
+    total, free, available = values["total"], values["free"], values["available"]
+    if total is None or free is None:
         return None
+    if free > total or (available is not None and available > total):
+        raise BadGuestData(
+            f"guest statistics say {free} free and {available} available of {total} bytes"
+        )
     return GuestStats(age=max(0.0, now - last_update), **values)
 
 
@@ -159,6 +192,10 @@ class VmSample:
     # one (the balloon of such a VM then only reports statistics).
     levers: tuple[Lever, ...] = (Lever.BALLOON,)
     virtio_mem: VirtioMem | None = None
+    # Which incarnation of the VM this is (its QEMU process, or libvirt's
+    # UUID and domain id): a VM re-created under the same name has another.
+    # None: the backend cannot tell.
+    identity: str | None = None
 
     @property
     def lever(self) -> Lever:
@@ -202,15 +239,23 @@ class Reclaimer:
     cache_floor: int = 0
 
     @classmethod
-    def from_counters(cls, counters: dict[str, Any]) -> "Reclaimer":
+    def from_counters(cls, counters: object) -> "Reclaimer":
+        """The agent's counters object (docs/protocol/agent.md), checked:
+        BadGuestData if it is not one."""
+        if not isinstance(counters, dict):
+            raise BadGuestData(f"reclaimer counters {counters!r} are not an object")
+
+        def count(name: str) -> int:
+            return guest_count(counters.get(name, 0), name)
+
         return cls(
-            available=bool(counters.get("available")),
-            background=bool(counters.get("background")),
-            reclaimed_bytes=int(counters.get("reclaimed_bytes", 0)),
-            backoffs=int(counters.get("backoffs", 0)),
-            refault_pages=int(counters.get("refault_pages", 0)),
-            compactions=int(counters.get("compactions", 0)),
-            cpu_ms=int(counters.get("cpu_ms", 0)),
+            available=guest_flag(counters.get("available", False), "available"),
+            background=guest_flag(counters.get("background", False), "background"),
+            reclaimed_bytes=count("reclaimed_bytes"),
+            backoffs=count("backoffs"),
+            refault_pages=count("refault_pages"),
+            compactions=count("compactions"),
+            cpu_ms=count("cpu_ms"),
         )
 
 
@@ -253,10 +298,33 @@ class VmState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "VmState":
+        """A state as to_json() wrote it; ValueError for one of another
+        shape (another thinvm version's), which would fail the policy later."""
         data = dict(data)
         data["history"] = tuple(tuple(item) for item in data.get("history", ()))
         known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        state = cls(**{k: v for k, v in data.items() if k in known})
+        state._check()
+        return state
+
+    def _check(self) -> None:
+        def count(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        optional = (self.target, self.last_actual, self.last_used, self.working_set)
+        counts = (self.stuck_cycles, self.given_up_until, self.calm_cycles, self.peak_growth,
+                  self.cooldown_until)  # fmt: skip
+        valid = (
+            all(value is None or count(value) for value in optional)
+            and all(count(value) for value in counts)
+            and isinstance(self.actual_steady_s, int | float)
+            and isinstance(self.counters, dict)
+            and all(isinstance(k, str) and count(v) for k, v in self.counters.items())
+            and all(len(item) == 2 and all(map(count, item)) for item in self.history)
+            and isinstance(self.reason, str)
+        )
+        if not valid:
+            raise ValueError(f"a saved VM state of another shape: {self}")
 
     def but(self, **changes: Any) -> "VmState":
         return replace(self, **changes)

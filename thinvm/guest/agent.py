@@ -23,6 +23,14 @@ from thinvm.host.locks import FileLock
 
 # How long a fresh connection waits for the agent's PONG before a command.
 SYNC_TIMEOUT = 30.0
+# What a client reads from a guest at most.  The guest is not trusted (the
+# balance controller runs as root beside every VM): a longer header line
+# or reply is a protocol error, not a reason to buffer without end.  The
+# agent's header lines are under 100 bytes and its JSON replies under
+# 2 KiB (RECLAIM_JSON_MAX in guest/agent/reclaim.h).
+MAX_LINE = 4096
+MAX_JSON_REPLY = 1 << 20
+MAX_COMMAND_OUTPUT = 256 << 20  # each of stdout and stderr of one EXEC
 
 
 @dataclass(frozen=True)
@@ -145,13 +153,28 @@ class AgentClient:
             raise GuestError(f"agent socket {self.path} closed by QEMU")
         self._buf += chunk
 
+    def _protocol_error(self, message: str) -> GuestError:
+        """A reply we cannot follow: what is left of it on the wire is
+        dropped with the connection (a fresh one resyncs with PING)."""
+        self._disconnect()
+        return GuestError(message)
+
     def _read_line(self, deadline: float) -> bytes:
         while b"\n" not in self._buf:
+            if len(self._buf) > MAX_LINE:
+                raise self._protocol_error(
+                    f"agent {self.path} sent a line longer than {MAX_LINE} bytes: "
+                    "not the thinvm agent protocol"
+                )
             self._recv_more(deadline)
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    def _read_exact(self, size: int, deadline: float) -> bytes:
+    def _read_exact(self, size: int, deadline: float, limit: int) -> bytes:
+        if size > limit:
+            raise self._protocol_error(
+                f"agent {self.path} announced {size} bytes, more than the {limit} a client reads"
+            )
         while len(self._buf) < size:
             self._recv_more(deadline)
         data, self._buf = self._buf[:size], self._buf[size:]
@@ -175,6 +198,8 @@ class AgentClient:
             # Stale output need not end in a newline, so look for the marker
             # anywhere rather than line by line.
             while marker not in self._buf:
+                # Only a marker's length of stale bytes can matter.
+                self._buf = self._buf[-len(marker) :]
                 self._recv_more(deadline)
             self._buf = self._buf.split(marker, 1)[1]
             return True
@@ -216,11 +241,11 @@ class AgentClient:
         try:
             self._connect().sendall(f"EXEC {len(payload)}\n".encode() + payload)
             header = self._read_line(deadline).decode(errors="replace").split()
-            if len(header) != 4 or header[0] != "DONE":
-                raise GuestError(f"agent sent a bad reply header {header!r}")
-            status, out_len, err_len = (int(field) for field in header[1:])
-            out = self._read_exact(out_len, deadline)
-            err = self._read_exact(err_len, deadline)
+            if len(header) != 4 or header[0] != "DONE" or not _decimal(header[1:]):
+                raise self._protocol_error(f"agent sent a bad reply header {header!r}")
+            status, out_len, err_len = int(header[1]), int(header[2]), int(header[3])
+            out = self._read_exact(out_len, deadline, MAX_COMMAND_OUTPUT)
+            err = self._read_exact(err_len, deadline, MAX_COMMAND_OUTPUT)
         except TimeoutError as exc:
             # The reply may still come; a fresh connection must resync.
             self._disconnect()
@@ -257,10 +282,16 @@ class AgentClient:
             header = self._read_line(deadline).decode(errors="replace").split()
             if header == ["ERR", "unknown"]:
                 return None
-            if len(header) != 2 or header[0] != "JSON" or not header[1].isdigit():
-                raise GuestError(f"agent sent a bad reply header {header!r}")
-            body = self._read_exact(int(header[1]), deadline)
+            if len(header) != 2 or header[0] != "JSON" or not _decimal(header[1:]):
+                raise self._protocol_error(f"agent sent a bad reply header {header!r}")
+            body = self._read_exact(int(header[1]), deadline, MAX_JSON_REPLY)
         except TimeoutError as exc:
             self._disconnect()
             raise GuestError(f"agent request {request!r} timed out after {timeout:.0f} s") from exc
         return json.loads(body)
+
+
+def _decimal(fields: Sequence[str]) -> bool:
+    """Whether every field is a plain decimal count (str.isdigit() takes
+    "²" and other digits int() refuses)."""
+    return all(field.isascii() and field.isdigit() for field in fields)
