@@ -81,7 +81,7 @@ tests=(
 	"migration-test:$mig/refuse/mem-prealloc"
 	"migration-test:$mig/refuse/mem-lock"
 	"migration-test:$mig/with-ignore-shared"
-	"migration-test:$mig/fixed-once-incoming"
+	"migration-test:$mig/fixed-while-loading"
 	"migration-test:$mig/tpm-ppi"
 )
 
