@@ -1,6 +1,8 @@
 """CPU time per thread from /proc (thinvm.host.procs) and its split by QEMU thread kind."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -59,7 +61,7 @@ def _process_stat(root: Path, pid: int, ticks: int) -> None:
 def test_sampler_keeps_threads_that_exit_and_counts_new_ones_from_zero(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 1, {1: ("main", 100, 0), 2: ("CPU 0/TCG", 50, 0)})
     _process_stat(tmp_path, 1, 150)
-    sampler = ThreadCpuSampler(1, interval=3600, proc=tmp_path).start()
+    sampler = ThreadCpuSampler(1, interval=3600, proc=tmp_path, count_exits=False).start()
     # A multifd channel is born, works, is sampled, then exits before the end.
     _fake_proc(tmp_path, 1, {1: ("main", 110, 0), 3: ("mig/src/send_0", 30, 10)})
     sampler._sample()
@@ -74,12 +76,13 @@ def test_sampler_keeps_threads_that_exit_and_counts_new_ones_from_zero(tmp_path:
         3: ThreadCpu("mig/src/send_0", 40 / TICKS),
     }
     assert sampler.exited == {3}
+    assert not sampler.exact
     assert sampler.process_cpu_s == pytest.approx(81 / TICKS)
 
 
 def test_sampler_samples_in_the_background(tmp_path: Path) -> None:
     _fake_proc(tmp_path, 1, {1: ("main", 0, 0)})
-    with ThreadCpuSampler(1, interval=0.01, proc=tmp_path) as sampler:
+    with ThreadCpuSampler(1, interval=0.01, proc=tmp_path, count_exits=False) as sampler:
         _fake_proc(tmp_path, 1, {5: ("mig/dst/recv_1", 7, 0)})
         deadline = time.monotonic() + 5
         while 5 not in sampler.used() and time.monotonic() < deadline:
@@ -117,6 +120,8 @@ def test_sampler_sees_a_busy_thread_of_this_process() -> None:
         ("live_migration", "migration"),
         ("mig/src/send_0", "multifd"),
         ("mig/dst/recv_1", "multifd"),
+        ("mig/src/send_12", "multifd"),  # "mig/src/send_123" in 15 characters
+        ("postcopy/listen", "migration"),
         ("multifdsend_3", "multifd"),
         ("multifdrecv_0", "multifd"),
         ("qemu-system-x86", "other"),
@@ -142,6 +147,7 @@ def test_cpu_metrics_sum_by_kind() -> None:
         "src_vcpu_cpu_s": 1.0,
         "src_multifd_cpu_s": 0.25,
         "src_other_cpu_s": 0.5,
+        "src_cpu_split_exact": 0,
     }
     assert list(cpu.cpu_metrics("dst", {})) == cpu.metric_names("dst")
 
@@ -165,6 +171,14 @@ def test_what_exited_threads_used_after_their_last_sample_goes_to_their_kind() -
     assert cpu.cpu_metrics("dst", used, process_s=1.0)["dst_cpu_s"] == 1.5
 
 
+def test_with_exact_exits_the_rest_is_rounding_and_goes_to_other() -> None:
+    used = {1: ThreadCpu("qemu-system-x86", 0.5), 3: ThreadCpu("mig/src/send_0", 0.25)}
+    metrics = cpu.cpu_metrics("src", used, process_s=0.8, exited={3}, exact=True)
+    assert metrics["src_multifd_cpu_s"] == 0.25
+    assert metrics["src_other_cpu_s"] == 0.55
+    assert metrics["src_cpu_split_exact"] == 1
+
+
 def test_migration_cpu_reports_both_sides_of_this_process() -> None:
     with cpu.MigrationCpu(os.getpid(), os.getpid()) as measured:
         measured.src_done()
@@ -183,3 +197,56 @@ def test_processes_named_and_descends_from(tmp_path: Path) -> None:
     assert procs.descends_from(11, 10, tmp_path)
     assert not procs.descends_from(12, 10, tmp_path)
     assert procs.descends_from(os.getpid(), os.getppid())
+
+
+# A process whose thread named like a multifd channel burns `burn_s` of CPU
+# and exits when told to; "done" once it has gone.
+_SHORT_THREAD_CHILD = """
+import os, sys, threading, time
+
+def channel():
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+        comm.write(sys.argv[2])
+    end = time.thread_time() + float(sys.argv[1])
+    while time.thread_time() < end:
+        pass
+
+print("ready", flush=True)
+sys.stdin.readline()
+thread = threading.Thread(target=channel)
+thread.start()
+thread.join()
+# join() returns before the kernel has reaped the thread: wait until it has.
+while os.path.exists(f"/proc/self/task/{thread.native_id}"):
+    time.sleep(0.001)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_thread_that_exits_between_two_samples_counts_under_its_own_kind() -> None:
+    # The sampler never samples between start and stop here: whatever the
+    # thread used, only its exit tells.  Before exit accounting it landed
+    # in "other" (a fast migration's channels did, between two 100 ms samples).
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SHORT_THREAD_CHILD, "0.05", "mig/src/send_0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline() == "ready\n"
+        with ThreadCpuSampler(child.pid, interval=3600) as sampler:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "done\n"
+        used = sampler.used()
+        metrics = cpu.cpu_metrics("src", used, sampler.process_cpu_s, sampler.exited, sampler.exact)
+    finally:
+        child.kill()
+        child.wait()
+    assert sampler.exact, sampler.exit_error
+    assert metrics["src_cpu_split_exact"] == 1
+    assert metrics["src_multifd_cpu_s"] is not None and metrics["src_multifd_cpu_s"] >= 0.04
+    assert metrics["src_other_cpu_s"] is not None and metrics["src_other_cpu_s"] < 0.04

@@ -11,7 +11,9 @@ multifd channels "mig/src/send_N" and "mig/dst/recv_N" (older QEMUs:
 "live_migration", "multifdsend_N", "multifdrecv_N").  Everything else is
 "other": the main thread, which on the destination also loads the main
 migration stream (precopy loads it in a coroutine of the main loop), I/O,
-RCU and worker threads.
+RCU and worker threads.  /proc and the kernel's exit records both give a
+thread's name as its comm, at most 15 characters ("mig/src/send_123"
+shows as "mig/src/send_12"); every pattern here matches names so cut.
 """
 
 import re
@@ -39,23 +41,29 @@ def cpu_metrics(
     used: Mapping[int, ThreadCpu],
     process_s: float | None = None,
     exited: Collection[int] = (),
+    exact: bool = False,
 ) -> Metrics:
     """{side}_cpu_s and {side}_{kind}_cpu_s of every kind, in seconds.
 
-    `process_s` is the whole process's CPU time over the same span, which
-    also holds what `exited` threads used after their last sample: that
-    residue goes to the kinds of the threads that exited, in proportion to
-    what was seen of them (to other if none was), so that the kinds add up
-    to the process's total.
+    `process_s` is the whole process's CPU time over the same span; the
+    kinds add up to it.  With `exact`, `used` holds every thread that
+    exited as its exit record counted it (ThreadCpuSampler.exact), so what
+    is left over is /proc's rounding to 10 ms ticks and goes to other.
+    Otherwise the rest also holds what `exited` threads used after their
+    last sample, and what threads used that exited unseen: it goes to the
+    kinds of the threads that exited, in proportion to what was seen of
+    them (to other if none was).  {side}_cpu_split_exact says which: 1 or 0.
     """
     totals = dict.fromkeys(KINDS, 0.0)
     for thread in used.values():
         totals[thread_kind(thread.name)] += thread.cpu_s
     residue = max(0.0, (process_s or 0.0) - sum(totals.values()))
-    for kind, share in _exited_shares(used, exited).items():
+    shares = {"other": 1.0} if exact else _exited_shares(used, exited)
+    for kind, share in shares.items():
         totals[kind] += residue * share
     metrics: Metrics = {f"{side}_cpu_s": round(sum(totals.values()), 3)}
     metrics.update({f"{side}_{kind}_cpu_s": round(totals[kind], 3) for kind in KINDS})
+    metrics[f"{side}_cpu_split_exact"] = int(exact)
     return metrics
 
 
@@ -73,7 +81,11 @@ def _exited_shares(used: Mapping[int, ThreadCpu], exited: Collection[int]) -> di
 
 def metric_names(side: str) -> list[str]:
     """The names cpu_metrics(side, ...) reports."""
-    return [f"{side}_cpu_s", *(f"{side}_{kind}_cpu_s" for kind in KINDS)]
+    return [
+        f"{side}_cpu_s",
+        *(f"{side}_{kind}_cpu_s" for kind in KINDS),
+        f"{side}_cpu_split_exact",
+    ]
 
 
 class MigrationCpu:
@@ -108,7 +120,9 @@ class MigrationCpu:
         sampler = self._samplers.pop(side, None)
         if sampler is not None:
             used = sampler.stop()
-            self.metrics.update(cpu_metrics(side, used, sampler.process_cpu_s, sampler.exited))
+            self.metrics.update(
+                cpu_metrics(side, used, sampler.process_cpu_s, sampler.exited, sampler.exact)
+            )
 
     def __exit__(
         self,

@@ -447,11 +447,19 @@ recorded result follows these rules (issue 19):
   `src_cpu_s`, `src_migration_cpu_s` (migration thread and helpers),
   `src_vcpu_cpu_s`, `src_multifd_cpu_s` (multifd channels),
   `src_other_cpu_s` (main loop and the rest), and the same for `dst_`. They
-  come from `/proc/PID/task/TID/stat` (user + system time, 10 ms ticks),
-  sampled every 100 ms so that threads that exit during the migration still
-  count; the totals are the whole process's (`/proc/PID/stat`, which keeps
-  the time of exited threads), and what an exited thread used after its last
-  sample goes to the kinds of the threads that exited. On the destination,
+  come from `/proc/PID/task/TID/stat` (user + system time, 10 ms ticks) for
+  the threads that still run at the end, and for each thread that exits
+  during the migration (multifd channels do) from the record the kernel
+  sends as it exits (taskstats: its name and the scheduler's CPU time), so
+  a thread counts under its own kind however briefly it lived. The totals
+  are the whole process's (`/proc/PID/stat`, which keeps the time of exited
+  threads); what is left over (tick rounding) goes to other.
+  `src_cpu_split_exact` (and `dst_`) is 1 when the split was counted so, 0
+  when taskstats was unavailable (not root, a kernel without it or older
+  than taskstats version 12): threads are then sampled every 100 ms, a
+  thread that exits between two samples is not seen, and the time the
+  samples miss goes to the kinds of the threads seen to exit, or to other if
+  none was. On the destination,
   precopy loads the main stream in the main loop, so its cost shows in
   `dst_other_cpu_s`. Bytes sent and pages sent, read as zero and skipped
   unread come from `query-migrate`.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thinvm.host import HostError
+from thinvm.host.taskstats import ExitListener, TaskstatsUnavailable
 
 
 class ProcessGone(HostError):
@@ -129,15 +130,25 @@ class ThreadCpuSampler:
     """CPU seconds each thread of a process used between start() and stop().
 
     Threads that exit in between (a migration's multifd channels do, as it
-    completes) still count: a background thread samples every `interval`
-    seconds and keeps each thread's last value.  What an exited thread used
-    after its last sample is not in used(), but it is in `process_cpu_s`,
-    the whole process's time over the same span; `exited` names the
-    threads that went.  Threads born in between count from zero.  Use as a
-    context manager, or call start() and stop().
+    completes) still count, under their own names: the kernel sends each
+    one's total as it exits (thinvm.host.taskstats), and `exact` says it
+    did for the whole span.  Where it will not (not root, no taskstats),
+    `exit_error` says why and the sampler estimates: a background thread
+    samples /proc every `interval` seconds and keeps each thread's last
+    value, so a thread that exits between two samples is not in used() at
+    all and what one used after its last sample is missing; both are in
+    `process_cpu_s`, the whole process's time over the same span.  Either
+    way `exited` names the threads that went.  Threads born in between
+    count from zero.  Use as a context manager, or call start() and stop().
     """
 
-    def __init__(self, pid: int, interval: float = 0.1, proc: Path = Path("/proc")) -> None:
+    def __init__(
+        self,
+        pid: int,
+        interval: float = 0.1,
+        proc: Path = Path("/proc"),
+        count_exits: bool = True,
+    ) -> None:
         self.pid, self.interval, self.proc = pid, interval, proc
         self._before: dict[int, ThreadCpu] = {}
         self._last: dict[int, ThreadCpu] = {}
@@ -145,10 +156,18 @@ class ThreadCpuSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._process_before: float | None = None
+        self._exits: ExitListener | None = ExitListener({pid}) if count_exits else None
+        self.exit_error: str | None = None if count_exits else "not asked to count exits"
         self.process_cpu_s: float | None = None  # set by stop()
         self.exited: set[int] = set()  # set by stop()
 
+    @property
+    def exact(self) -> bool:
+        """Whether every thread that exited was counted from its own exit record."""
+        return self.exit_error is None
+
     def start(self) -> "ThreadCpuSampler":
+        self._listen_for_exits()  # first, so no thread exits unheard after the first sample
         self._process_before = process_cpu(self.pid, self.proc)
         self._before = thread_cpu(self.pid, self.proc)
         self._last = dict(self._before)
@@ -166,17 +185,35 @@ class ThreadCpuSampler:
         after = process_cpu(self.pid, self.proc)
         if after is not None and self._process_before is not None:
             self.process_cpu_s = round(after - self._process_before, 6)
-        self.exited = set(self._last) - set(live)
+        # Every thread gone from the last sample has sent its record by now.
+        exits = self._exits.close() if self._exits is not None else {}
+        if self._exits is not None and self._exits.lost:
+            self.exit_error = "the kernel dropped exit records (receive buffer full)"
+        self.exited = (set(self._last) - set(live)) | set(exits)
         return self.used()
 
     def used(self) -> dict[int, ThreadCpu]:
-        """CPU time per thread since start(), as of the latest sample."""
+        """CPU time per thread since start(): as it exited, else as of the latest sample.
+
+        A thread id the kernel gave a second thread within the span (only
+        after a wrap of pid_max) would be counted as one thread.
+        """
         with self._lock:
             last = dict(self._last)
+        exits = self._exits.records() if self._exits is not None else {}
+        now = last | {tid: ThreadCpu(e.name, e.cpu_s) for tid, e in exits.items()}
         return {
-            tid: ThreadCpu(now.name, round(max(0.0, now.cpu_s - self._cpu_before(tid)), 6))
-            for tid, now in last.items()
+            tid: ThreadCpu(thread.name, round(max(0.0, thread.cpu_s - self._cpu_before(tid)), 6))
+            for tid, thread in now.items()
         }
+
+    def _listen_for_exits(self) -> None:
+        if self._exits is None:
+            return
+        try:
+            self._exits.open()
+        except TaskstatsUnavailable as err:
+            self._exits, self.exit_error = None, str(err)
 
     def _cpu_before(self, tid: int) -> float:
         before = self._before.get(tid)
