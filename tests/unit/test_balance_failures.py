@@ -399,6 +399,52 @@ def test_a_domain_on_huge_pages_or_locked_is_never_ballooned(
     assert setmems(backed(xml, backing)) == []
 
 
+ROLLUP = """55cd7216b000-7fff07128000 ---p 00000000 00:00 0                          [rollup]
+Rss:             1075200 kB
+AnonHugePages:         0 kB
+Shared_Hugetlb:  1048576 kB
+Private_Hugetlb:    2048 kB
+Locked:                0 kB
+"""
+
+
+def test_a_thinvm_vm_with_ram_on_hugetlbfs_counts_as_such_whatever_its_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm pool slot on hugetlbfs, or a file: backend there: its QEMU maps
+    huge pages (smaps_rollup), which says more than a path could."""
+    assert backends.hugetlb_of_rollup(ROLLUP) == 1 * GiB + 2 * MiB
+    assert backends.hugetlb_of_rollup(ROLLUP.replace("1048576", "0").replace("2048", "0")) == 0
+    pooled = VMConfig(name="p", memory=GiB, pool="/var/lib/thinvm/pool")
+    filed = VMConfig(name="f", memory=GiB, backend="file:/srv/slots/f")
+    assert backends._backing_of(pooled, 0, os.getpid()) is Backing.POOL  # pytest has none
+    monkeypatch.setattr(backends, "_maps_hugetlb", lambda pid: pid == 42)
+    assert backends._backing_of(pooled, 0, 42) is Backing.HUGETLBFS
+    assert backends._backing_of(filed, 0, 42) is Backing.HUGETLBFS
+    assert backends._backing_of(filed, 0, 43) is Backing.ANONYMOUS
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("backing", [Backing.HUGETLBFS, Backing.PINNED])
+def test_every_policy_leaves_hugetlbfs_and_pinned_vms_alone(
+    backing: Backing, policy: str, tmp_path: Path
+) -> None:
+    class Backed(FakeBackend):
+        def sample(self) -> list[Any]:
+            return [dataclasses.replace(s, backing=backing) for s in super().sample()]
+
+    short = FixedHost()
+    short.sample = lambda: backends.HostSample(total=24 * GiB, available=1 * GiB)  # type: ignore[method-assign]
+    backend = Backed()
+    lines: list[str] = []
+    ctl = Controller(backend, short, make_policy(policy), state_path=tmp_path / "s.json",
+                     log=lines.append, verbose=True)  # fmt: skip
+    for _ in range(8):
+        ctl.step()
+    assert backend.sent == []
+    assert "left alone" in load_status(tmp_path / "s.json")["vms"]["g"]["reason"]
+
+
 # -- M2: a restart checks whose state it is -------------------------------------
 
 

@@ -207,8 +207,32 @@ class DomainRssBudget(RssBudget):
 # -- thinvm VMs ----------------------------------------------------------------
 
 
-def _backing_of(config: Any, rss_thp: int) -> Backing:
+def hugetlb_of_rollup(text: str) -> int:
+    """Bytes of hugetlbfs pages a process maps, from its /proc/PID/smaps_rollup."""
+    total = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name in ("Shared_Hugetlb", "Private_Hugetlb") and fields:
+            total += int(fields[0]) * KiB
+    return total
+
+
+def _maps_hugetlb(pid: int | None) -> bool:
+    """Whether the process (a QEMU) has RAM on hugetlbfs: a warm pool slot
+    or a file: backend there, whatever its path is called."""
+    if pid is None:
+        return False
+    try:
+        return hugetlb_of_rollup(Path(f"/proc/{pid}/smaps_rollup").read_text()) > 0
+    except OSError:
+        return False
+
+
+def _backing_of(config: Any, rss_thp: int, pid: int | None = None) -> Backing:
     backend = str(config.backend)
+    if (config.pool is not None or backend.startswith("file:")) and _maps_hugetlb(pid):
+        return Backing.HUGETLBFS
     if config.pool is not None:
         return Backing.POOL
     if backend.startswith("file:") and "huge" in backend:
@@ -386,7 +410,7 @@ class ThinvmBackend:
             actual=actual,
             stats=stats,
             migrating=migrating,
-            backing=_backing_of(config, mem.anon_huge),
+            backing=_backing_of(config, mem.anon_huge, vm.pid),
             host_rss=mem.rss,
             reporting=config.balloon.enabled and config.balloon.free_page_reporting,
             held=held,
