@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from thinvm.cli import main
+from thinvm.cli import main, parse_args
 from thinvm.errors import ThinvmError
 from thinvm.pool.store import STATE_FILE
 from thinvm.qemu import builds
-from thinvm.vm import registry
+from thinvm.units import MiB
+from thinvm.vm import balloon, registry
+from thinvm.vm.cli import config_from_args
 from thinvm.vm.machine import QMP_MONITORS
 
 NOBODY = 65534  # Debian's `nobody` and `nogroup`
@@ -94,6 +96,25 @@ def test_a_good_timeout_still_reaches_the_command(
 ) -> None:
     line = runtime_error(["exec", "vm1", "--timeout", "2.5", "--", "true"], capsys)
     assert "no VM named 'vm1'" in line
+
+
+# -- what `thinvm up` starts ----------------------------------------------
+
+
+def test_up_starts_the_balloon_with_deflate_on_oom_unless_told_not_to() -> None:
+    """docs/architecture.md, "Balloon safety": on by default for `thinvm up`."""
+    assert config_from_args(parse_args(["up"])).balloon.deflate_on_oom is True
+    off = config_from_args(parse_args(["up", "--no-deflate-on-oom"]))
+    assert off.balloon.deflate_on_oom is False
+    assert config_from_args(parse_args(["up", "--deflate-on-oom"])).balloon.deflate_on_oom
+
+
+def test_the_balloon_floor_is_what_the_guest_uses_plus_headroom() -> None:
+    need = balloon.GuestNeed(actual=1024 * MiB, available=600 * MiB)
+    assert need.in_use == 424 * MiB
+    assert need.floor == 424 * MiB + balloon.GUEST_HEADROOM == 488 * MiB
+    # A guest reporting more available than it has (a racing deflate): no use.
+    assert balloon.GuestNeed(actual=512 * MiB, available=600 * MiB).in_use == 0
 
 
 # -- VM names ---------------------------------------------------------------

@@ -77,6 +77,7 @@ class DomainSpec:
     # decides (on with page ranges, off on plain q35).
     free_page_reporting: bool | None = True
     stats_period: int = 2
+    # On, as `thinvm up` has deflate-on-oom (docs/architecture.md, "Balloon safety").
     autodeflate: bool = True
     free_page_hint: bool = False
     ranges: bool = True
