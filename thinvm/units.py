@@ -1,5 +1,6 @@
 """Parsing and printing of memory sizes, and parsing of durations."""
 
+import argparse
 import math
 import re
 
@@ -51,3 +52,19 @@ def parse_seconds(text: str, allow_zero: bool = False) -> float:
         want = "0 or more seconds" if allow_zero else "a positive number of seconds"
         raise ThinvmError(f"{text!r} is not {want}: use e.g. 30 or 2.5")
     return value
+
+
+def seconds(text: str) -> float:
+    """argparse type: a timeout, a positive and finite number of seconds."""
+    try:
+        return parse_seconds(text)
+    except ThinvmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds_or_zero(text: str) -> float:
+    """argparse type: a delay, 0 or more seconds (finite)."""
+    try:
+        return parse_seconds(text, allow_zero=True)
+    except ThinvmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

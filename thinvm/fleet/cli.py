@@ -11,7 +11,7 @@ from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import domain_xml
 from thinvm.guest import image as guest_image
 from thinvm.guest.agent import shell_line
-from thinvm.units import parse_size
+from thinvm.units import parse_size, seconds
 
 
 def _print_json_or(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -327,7 +327,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p = fsub.add_parser("trim", help="have a cluster guest give back cold memory now")
     p.add_argument("name")
     p.add_argument("--max-bytes", help="give back at most this much, e.g. 512M (default: all)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds the guest may reclaim")
+    p.add_argument("--timeout", type=seconds, default=30.0, help="seconds the guest may reclaim")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trim)
 

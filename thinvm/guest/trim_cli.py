@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from thinvm.guest import trim
-from thinvm.units import parse_size
+from thinvm.units import parse_size, seconds
 from thinvm.vm.machine import VM
 
 Attach = Callable[[str], AbstractContextManager[VM]]
@@ -35,7 +35,7 @@ def add_parser(
     p.add_argument("name")
     p.add_argument("--max-bytes", help="give back at most this much, e.g. 512M (default: all)")
     p.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds the guest may spend reclaiming"
+        "--timeout", type=seconds, default=30.0, help="seconds the guest may spend reclaiming"
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda args: cmd_trim(args, attached))

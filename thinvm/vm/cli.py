@@ -12,7 +12,7 @@ from thinvm.guest.agent import shell_line
 from thinvm.pool import cli as pool_cli
 from thinvm.progress import ProgressLine
 from thinvm.qemu import builds
-from thinvm.units import format_size, parse_seconds, parse_size
+from thinvm.units import format_size, parse_size, seconds, seconds_or_zero
 from thinvm.vm import balloon, migrate, registry, resize
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
@@ -31,22 +31,6 @@ def vm_name(text: str) -> str:
     """argparse type: a name a detached VM can have (registry.check_name)."""
     try:
         return registry.check_name(text)
-    except ThinvmError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def seconds(text: str) -> float:
-    """argparse type: a timeout, a positive and finite number of seconds."""
-    try:
-        return parse_seconds(text)
-    except ThinvmError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def seconds_or_zero(text: str) -> float:
-    """argparse type: a delay, 0 or more seconds (finite)."""
-    try:
-        return parse_seconds(text, allow_zero=True)
     except ThinvmError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
