@@ -26,11 +26,13 @@ from contextlib import contextmanager, suppress
 import pytest
 
 from tests.conftest import VMFactory
+from thinvm.errors import ThinvmError
 from thinvm.guest import workload
+from thinvm.guest.agent import AgentClient
 from thinvm.units import GiB, MiB
 from thinvm.vm import migrate
 from thinvm.vm.machine import VM, VMConfig
-from thinvm.vm.stack import THINVM
+from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 pytestmark = pytest.mark.guest
 
@@ -171,9 +173,9 @@ def start_pair(make_vm: VMFactory, name: str, seed: int) -> tuple[VM, VM]:
     return src, start_destination(make_vm, config)
 
 
-def start_destination(make_vm: VMFactory, config: VMConfig) -> VM:
+def start_destination(make_vm: VMFactory, config: VMConfig, stack: Stack = THINVM) -> VM:
     dst = make_vm(config, incoming=True)
-    migrate.set_capabilities(dst, THINVM.caps)
+    migrate.set_capabilities(dst, stack.caps)
     migrate.set_parameters(dst, {"multifd-channels": 2})
     return dst
 
@@ -261,3 +263,113 @@ def test_sparse_migration_keeps_to_the_downtime_limit_on_a_fluctuating_link(
     dst.wait_agent(timeout=60)
     check = workload.pattern_verify(dst.agent, seed=19)
     assert check.bad == 0 and check.pages == 256 * MiB // 4096, check
+
+
+# -- convergence on a link that flips between two rates (issue 46) ----------
+#
+# The link carries FLIP_FAST for FLIP_S, then FLIP_SLOW for FLIP_S, in
+# turn; the guest re-dirties DIRTY_SET twenty times a second, so each round
+# leaves V ~ 33 MB to send again, between what DOWNTIME_LIMIT_MS carry at
+# the slow rate (6 MB) and at the fast one (60 MB), with margin on both
+# sides (the numbers are in the test's docstring).
+FLIP_S = 0.2
+FLIP_FAST = 200 * 10**6
+FLIP_SLOW = 20 * 10**6
+DIRTY_SET = 31 * MiB
+DIRTY_RATE = 20 * DIRTY_SET  # bytes/s: the whole set every 50 ms
+CONVERGE_S = 60
+CONVERGE_SEED = 29
+
+
+def dirty_in_background(agent: AgentClient, size: int, rate: int) -> int:
+    """Start `thinvm-mem dirty` in the guest, detached, for longer than any
+    migration here takes; its pid."""
+    command = f"thinvm-mem dirty {size // MiB} --rate {rate // MiB} --seconds 600"
+    return int(agent.check(f"{command} >/dev/null 2>&1 </dev/null & echo $!").stdout)
+
+
+class MigrationTrail:
+    """What query-migrate said while the migration ran: its last status
+    and the range of QEMU's bandwidth samples, for the failure message."""
+
+    def __init__(self) -> None:
+        self.status = "none"
+        self.syncs = 0
+        self.samples: list[float] = []
+
+    def record(self, info: dict[str, object]) -> None:
+        self.status = str(info.get("status", "none"))
+        ram = info.get("ram")
+        if isinstance(ram, dict):
+            self.syncs = int(ram.get("dirty-sync-count", 0))
+            if mbps := float(ram.get("mbps", 0)):
+                self.samples.append(mbps / 8)  # MB/s
+
+    def describe(self) -> str:
+        low, high = (min(self.samples), max(self.samples)) if self.samples else (0.0, 0.0)
+        return (
+            f"last seen {self.status} after {self.syncs} dirty syncs, "
+            f"bandwidth samples {low:.0f}-{high:.0f} MB/s"
+        )
+
+
+@pytest.mark.parametrize("stack", [STOCK_BEST, THINVM], ids=["stock", "thinvm"])
+def test_a_dirtying_guest_converges_on_a_flipping_link(make_vm: VMFactory, stack: Stack) -> None:
+    """A guest that leaves V to send every round, with downtime-limit
+    between V / FLIP_FAST and V / FLIP_SLOW, on a link whose rate flips
+    between the two every FLIP_S: stock QEMU stops right after a fast
+    sample, and so must thinvm's.  Its budget is sized with the slowest of
+    the last five samples (QEMU 0025, 0028), a window that here always
+    holds a slow one; without the bound on how long the window may defer a
+    switchover the newest sample allows, the migration iterates for ever
+    and is still active when CONVERGE_S run out.
+
+    Measured on this 2-CPU host (load 3-10 from other work), from QEMU's
+    migrate_transferred and migrate_pending_exact trace events: V is
+    32.7-32.8 MB at every one of ~640 dirty syncs, so the budget must
+    reach 109 MB/s x 300 ms; a quarter to a half of the 100 ms samples
+    do.  The slowest-sample budget (0025 and 0028 applied to the recorded
+    samples) reached at most 16-23 MB in each of five one-minute runs,
+    ~2000 windows in all: samples that straddle a slow phase carry up
+    to ~75 MB/s, never V's 109.  Whole migrations, 6 runs each: stock
+    completed in 1.8-4.2 s, thinvm in 3.3-7.0 s (8-15 syncs); 3 runs
+    beside two CPU burners: 5.3-6.5 s and 5.7-13.8 s.  Downtimes were
+    355-447 ms and 365-466 ms (up to 800 ms beside the burners): a stop
+    sized by a fast sample overruns the limit when the link then slows,
+    as in stock QEMU; that is the price of converging, and not what this
+    test checks.
+    """
+    config = VMConfig(
+        name=f"converge-{stack.build}",
+        build=stack.build,
+        guest_driver=stack.driver,
+        memory=512 * MiB,
+        balloon=stack.balloon(),
+    )
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=CONVERGE_SEED)
+    writer = dirty_in_background(src.agent, DIRTY_SET, DIRTY_RATE)
+    dst = start_destination(make_vm, config, stack)
+    port = migrate.free_port()
+    dst.qmp("migrate-incoming", uri=f"tcp:127.0.0.1:{port}")
+    link = FluctuatingLink(port, fast=FLIP_FAST, fast_s=FLIP_S, slow=FLIP_SLOW, slow_s=FLIP_S)
+    params = {**migrate.UNCAPPED, "multifd-channels": 2, "downtime-limit": DOWNTIME_LIMIT_MS}
+    trail = MigrationTrail()
+    with relay(link):
+        try:
+            migrate.migrate_to_uri(
+                src,
+                f"tcp:127.0.0.1:{link.port}",
+                caps=stack.caps,
+                params=params,
+                timeout=CONVERGE_S,
+                progress=trail.record,
+            )
+        except ThinvmError as exc:
+            pytest.fail(f"{stack.describe()}: {trail.describe()} ({exc})")
+        migrate.wait_destination_running(dst)
+    dst.wait_agent(timeout=60)
+    # The writer ran on through the migration: every round had V to send.
+    dst.agent.check(f"kill {writer}")
+    check = workload.pattern_verify(dst.agent, seed=CONVERGE_SEED)
+    assert check.bad == 0 and check.pages == 64 * MiB // 4096, check
