@@ -5,24 +5,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.ci_skip_gate import pytest_configure  # noqa: F401 - the CI skip gate
-from thinvm.fleet import keptboot, pki
+from thinvm.fleet import pki
 from thinvm.fleet.cluster import ClusterState, Host, virsh
-from thinvm.guest import pvh
 from thinvm.guest.image import DiskImage
 from thinvm.paths import cache_dir
-from thinvm.vm import bootcache
-from thinvm.vm.machine import GUEST_APPEND_ENV, VM, VMConfig
+from thinvm.testing import keptboot, profile
+from thinvm.testing.keptboot import KeptBootVM
+from thinvm.testing.profile import GuestProfile
+from thinvm.vm.machine import VM, VMConfig
 
-# Guests boot their kernel's vmlinux through PVH (thinvm.guest.pvh): under
-# TCG that halves a 6.1 guest's boot (11.6 -> 5.9 s of CPU to its init),
-# which the suite pays for some hundred times.  THINVM_PVH=0 tests the
-# bzImage boot the benchmarks use.
-os.environ.setdefault(pvh.ENV, "1")
 # Guests skip zeroing each page they allocate (measured on a 1 GiB 6.1
 # guest under TCG: boot 7.6 -> 5.5 s, touching 512 MiB 5.8 -> 3.8 s).
 # Tests that are about the allocator set their own init_on_* arguments;
@@ -42,20 +39,33 @@ GUEST_TEST_INITCALLS_SKIPPED = (
     "init_kprobe_trace",
     "init_encrypted",
 )
-os.environ.setdefault(
-    GUEST_APPEND_ENV,
-    "init_on_alloc=0 cryptomgr.notests initcall_blacklist="
+# How the suite's guests boot (thinvm.testing.profile), in-process
+# (the fixtures' KeptBootVM) and in the thinvm commands tests run
+# (THINVM_TEST_PROFILE, which `thinvm up` reads through
+# thinvm.vm.registry.vm_class).
+# - PVH (thinvm.guest.pvh): under TCG that halves a 6.1 guest's boot
+#   (11.6 -> 5.9 s of CPU to its init), which the suite pays for some
+#   hundred times.  A profile without it tests the bzImage boot users and
+#   the benchmarks get.
+# - The kernel arguments above.
+# - Kept boots: guests whose whole state is their RAM and devices boot
+#   once per configuration; later guests of the same configuration load
+#   that boot's state (0.1-0.6 s of QEMU CPU to the agent, against 3-7 s
+#   for a boot under TCG).  Kept across runs, keyed by the QEMU, kernel
+#   and initrd files and the command line; tests about booting use a
+#   profile without them.  The Debian guests under libvirt are kept too,
+#   by `virsh save` (start_domain below: ~1-3 s against ~33 s for a boot).
+SUITE_PROFILE = GuestProfile(
+    pvh=True,
+    append="init_on_alloc=0 cryptomgr.notests initcall_blacklist="
     + ",".join(GUEST_TEST_INITCALLS_SKIPPED),
+    kept_boots=cache_dir() / "booted",
 )
-
-# Guests whose whole state is their RAM and devices boot once per
-# configuration; later guests of the same configuration load that boot's
-# state (thinvm.vm.bootcache: 0.1-0.6 s of QEMU CPU to the agent, against
-# 3-7 s for a boot under TCG).  Kept across runs, keyed by the QEMU, kernel
-# and initrd files and the command line; tests about booting unset it.
-# The Debian guests under libvirt are kept too, by `virsh save` (the tests
-# start them with thinvm.fleet.keptboot: ~1-3 s against ~33 s for a boot).
-os.environ.setdefault(bootcache.ENV, str(cache_dir() / "booted"))
+os.environ.setdefault(profile.ENV, SUITE_PROFILE.to_env())
+# What the tests run under: the suite's, or one set outside.
+PROFILE = profile.current() or GuestProfile()
+# The same guests, booted: for tests about a boot itself.
+BOOTED = replace(PROFILE, kept_boots=None)
 
 # Seconds each module's tests took in a `make test` (2026-11-27, 20:03, a
 # run with kept boots of busybox and libvirt guests), heaviest first.
@@ -110,11 +120,11 @@ def qemu_pids(name: str | None = None) -> set[int]:
 
 
 def start_domain(h: Host, name: str, image: DiskImage) -> None:
-    """Start a defined Debian domain as the suite does (thinvm.fleet.keptboot):
+    """Start a defined Debian domain as the suite does (thinvm.testing.keptboot):
     restored from its kept boot, which libvirt must say it was, so that a
     restore falling back to a boot every time cannot go unnoticed."""
-    keptboot.start_domain(h, name, image)
-    if bootcache.cache_root() is not None:
+    keptboot.start_domain(h, name, image, PROFILE)
+    if PROFILE.kept_boots is not None:
         reason = virsh(h, "domstate", "--reason", name).strip()
         assert reason == "running (restored)", f"{name} on {h.name}: {reason}"
 
@@ -169,11 +179,17 @@ VMFactory = Callable[..., VM]
 
 @pytest.fixture
 def make_vm() -> Iterator[VMFactory]:
-    """Start VMs that are shut down at the end of the test, pass or fail."""
+    """Start VMs as the suite boots them (PROFILE; `profile`: another),
+    shut down at the end of the test, pass or fail."""
     vms: list[VM] = []
 
-    def factory(config: VMConfig | None = None, *, incoming: bool = False) -> VM:
-        vm = VM(config or VMConfig(name="test"), incoming=incoming)
+    def factory(
+        config: VMConfig | None = None,
+        *,
+        incoming: bool = False,
+        profile: GuestProfile = PROFILE,
+    ) -> VM:
+        vm = KeptBootVM(config or VMConfig(name="test"), incoming=incoming, profile=profile)
         vms.append(vm)
         return vm.start()
 

@@ -27,6 +27,7 @@ from thinvm.balance.model import VmLimits, VmState
 from thinvm.balance.policies import ThinvmPolicy
 from thinvm.guest import workload
 from thinvm.paths import REPO, run_dir
+from thinvm.testing.keptboot import KeptBootVM
 from thinvm.units import GiB, MiB, format_size
 from thinvm.vm import balloon, resize
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
@@ -279,7 +280,7 @@ def started_detached(configs: list[VMConfig]) -> Iterator[list[VM]]:
     vms: list[VM] = []
     try:
         for config in configs:
-            vm = VM(config, rundir=run_dir() / config.name, detached=True)
+            vm = KeptBootVM(config, rundir=run_dir() / config.name, detached=True)
             vms.append(vm)
             vm.start()
             vm.save_state()

@@ -14,9 +14,10 @@ from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
 from thinvm.bench.types import BenchOptions
 from thinvm.progress import ProgressLine
+from thinvm.testing.keptboot import KeptBootVM
 from thinvm.units import MiB
 from thinvm.vm import balloon
-from thinvm.vm.machine import VM, VMConfig
+from thinvm.vm.machine import VMConfig
 
 pytestmark = pytest.mark.guest
 
@@ -54,7 +55,7 @@ def test_inflate_scenario_end_to_end(tmp_path: Path) -> None:
 
 
 def test_syscall_counter_sees_a_balloon_inflation() -> None:
-    with VM(VMConfig(name="count", memory=512 * 2**20)).start() as vm:
+    with KeptBootVM(VMConfig(name="count", memory=512 * 2**20)).start() as vm:
         assert vm.pid is not None
         with SyscallCounter([vm.pid]) as idle:
             pass

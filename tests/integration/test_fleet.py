@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    PROFILE,
     assert_only_cluster_clients,
     memstat,
     start_domain,
@@ -92,6 +93,7 @@ def start(state: ClusterState, images: dict[str, guest_image.DiskImage], name: s
         images[kernel],
         cluster.shared_dir(Path(h.root).parent.parent),
     )
+    spec = PROFILE.domain(spec)  # booted as the suite boots guests
     guest.define(h, spec, images[kernel])
     start_domain(h, name, images[kernel])
     return h
@@ -190,10 +192,10 @@ def assert_booted_with_the_dkms_driver(h: Host, name: str, image: guest_image.Di
     kept boot, thinvm.fleet.keptboot, is that boot's state)."""
     # The images QEMU reads are installed outside /root, for anyone to read.
     assert image.directory.parent == guest_image.IMAGES_DIR, image
-    for path in (image.vmlinuz, image.boot_kernel, image.initrd, image.disk):
+    for path in (image.vmlinuz, PROFILE.kernel(image.vmlinuz), image.initrd, image.disk):
         assert path.stat().st_mode & 0o004, path
     dom = ET.fromstring(virsh(h, "dumpxml", name))
-    assert dom.findtext("os/kernel") == str(image.boot_kernel)
+    assert dom.findtext("os/kernel") == str(PROFILE.kernel(image.vmlinuz))
     assert dom.findtext("os/initrd") == str(image.initrd)
     client = guest.agent(h, name)
     try:

@@ -1,22 +1,20 @@
 """A real Debian guest under QEMU (TCG): agent, balloon, statistics, reporting."""
 
-import os
 import time
 
 import pytest
 
-from tests.conftest import VMFactory
+from tests.conftest import BOOTED, VMFactory
 from thinvm.guest import workload
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import balloon, bootcache
+from thinvm.vm import balloon
 from thinvm.vm.machine import BalloonOptions, VMConfig
 
 pytestmark = pytest.mark.guest
 
 
-def test_boot_and_agent_round_trip(make_vm: VMFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(bootcache.ENV)  # a boot, not a kept one
-    vm = make_vm(VMConfig(name="boot", memory=1 * GiB))
+def test_boot_and_agent_round_trip(make_vm: VMFactory) -> None:
+    vm = make_vm(VMConfig(name="boot", memory=1 * GiB), profile=BOOTED)  # not a kept boot
     assert vm.accel == "tcg"  # /dev/kvm here is far slower than TCG
     # Without ERMS/FSRM the guest's kernel copies and zeroes memory by
     # words: TCG runs byte-wise "rep movsb/stosb" one byte at a time.
@@ -29,10 +27,8 @@ def test_boot_and_agent_round_trip(make_vm: VMFactory, monkeypatch: pytest.Monke
     assert "virtio_balloon" in vm.agent.check("cat /proc/modules").stdout
 
 
-def test_a_kept_boot_is_the_guest_a_boot_gives(
-    make_vm: VMFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A guest loaded from a kept boot (bootcache) is the guest a boot
+def test_a_kept_boot_is_the_guest_a_boot_gives(make_vm: VMFactory) -> None:
+    """A guest loaded from a kept boot (thinvm.testing.keptboot) is the guest a boot
     gives: the same kernel, command line, modules and memory, its clock
     set from the host's, our balloon driver answering, and the host
     holding no more for it."""
@@ -40,10 +36,7 @@ def test_a_kept_boot_is_the_guest_a_boot_gives(
         name="kept", memory=1 * GiB, build="patched", guest_driver="thinvm",
         balloon=BalloonOptions(free_page_reporting=True, ranges=True),
     )  # fmt: skip
-    kept_in = os.environ[bootcache.ENV]
-    monkeypatch.delenv(bootcache.ENV)
-    booted = make_vm(config)
-    monkeypatch.setenv(bootcache.ENV, kept_in)
+    booted = make_vm(config, profile=BOOTED)
     kept = make_vm(config)
     assert not (booted.rundir / "serial-boot.log").exists()
     assert (kept.rundir / "serial-boot.log").is_file()  # loaded, not booted

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import (
+    PROFILE,
     assert_only_cluster_clients,
     memstat,
     start_domain,
@@ -149,6 +150,7 @@ def start(state: ClusterState, image: guest_image.DiskImage, name: str, host: st
         cluster.shared_dir(Path(h.root).parent.parent),
         binary,
     )
+    spec = PROFILE.domain(spec)  # booted as the suite boots guests
     xml = guest.define(h, spec, image)
     assert "qemu:" not in xml and "libvirt.org/schemas/domain/qemu" not in xml, xml
     start_domain(h, name, image)
@@ -346,7 +348,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
     spec = DomainSpec(
         name=name,
         emulator=emulator.PACKAGED_THINVM,
-        kernel=image.boot_kernel,
+        kernel=PROFILE.kernel(image.vmlinuz),
         initrd=image.initrd,
         disk=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.qcow2",
         # A pty console, as Nova's domains have (console_log None).

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PROFILE
 from thinvm.paths import REPO, cache_dir
-from thinvm.vm.machine import GUEST_APPEND_ENV
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mmdebstrap, chroot, mount)"),
@@ -260,7 +260,7 @@ def test_qemu_boots_a_linux_guest_directly(installed: DebianRoot) -> None:
     argv += ["-serial", "file:/tmp/console.log"]
     argv += ["-kernel", "/tmp/vmlinuz", "-initrd", "/tmp/initramfs.cpio.gz"]
     # The suite's guest arguments (tests/conftest.py): a shorter boot.
-    argv += ["-append", f"console=ttyS0 panic=-1 {os.environ.get(GUEST_APPEND_ENV, '')}"]
+    argv += ["-append", f"console=ttyS0 panic=-1 {PROFILE.append}"]
     try:
         text = boot_until(installed, argv, "/tmp/console.log", "thinvm: modules loaded")
     finally:

@@ -28,6 +28,7 @@ import pytest
 from tests.conftest import thinvm_cli
 from thinvm.guest import trim, workload
 from thinvm.guest.agent import AgentClient
+from thinvm.testing.keptboot import KeptBootVM
 from thinvm.units import GiB, MiB, format_size
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
@@ -89,7 +90,7 @@ def run_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
 
 def start_detached(name: str, config: VMConfig, env: dict[str, str]) -> VM:
     """`thinvm up` with options the CLI does not have (a disk, a cmdline)."""
-    vm = VM(config, rundir=Path(env["THINVM_RUN"]) / name, detached=True)
+    vm = KeptBootVM(config, rundir=Path(env["THINVM_RUN"]) / name, detached=True)
     vm.start()
     vm.save_state()
     vm.disconnect()

@@ -13,7 +13,6 @@ from thinvm.qemu import accel, builds
 from thinvm.qemu.builds import QemuBuild
 from thinvm.units import GiB, MiB
 from thinvm.vm.machine import (
-    GUEST_APPEND_ENV,
     VM,
     BalloonOptions,
     VMConfig,
@@ -21,12 +20,6 @@ from thinvm.vm.machine import (
     check_virtio_mem,
 )
 from thinvm.vm.migrate import MigrationResult
-
-
-@pytest.fixture(autouse=True)
-def no_process_wide_guest_args(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Command lines as a user gets them: tests/conftest.py sets THINVM_GUEST_APPEND."""
-    monkeypatch.delenv(GUEST_APPEND_ENV, raising=False)
 
 
 def _vm(config: VMConfig, incoming: bool = False) -> VM:
@@ -273,17 +266,6 @@ def test_a_disk_guest_boots_from_its_overlay_as_the_first_virtio_disk() -> None:
     args = _vm(VMConfig()).command_line()
     assert _option(args, "-append") == ["console=ttyS0 no_timer_check panic=-1"]
     assert _option(args, "-drive") == []
-
-
-def test_process_wide_guest_args_come_before_the_configs_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(GUEST_APPEND_ENV, "init_on_alloc=0")
-    args = _vm(VMConfig(append="init_on_alloc=1")).command_line()
-    # The kernel takes the last of a repeated argument: the config's.
-    assert _option(args, "-append") == [
-        "console=ttyS0 no_timer_check panic=-1 init_on_alloc=0 init_on_alloc=1"
-    ]
 
 
 def test_a_disk_guest_makes_its_overlay_in_its_run_directory(

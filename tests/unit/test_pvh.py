@@ -4,9 +4,8 @@ import lzma
 import struct
 from pathlib import Path
 
-import pytest
-
 from thinvm.guest import pvh
+from thinvm.testing.profile import GuestProfile
 
 
 def note(name: bytes, kind: int, desc: bytes) -> bytes:
@@ -50,16 +49,12 @@ def test_an_xz_kernel_is_unpacked_and_anything_else_left_alone() -> None:
     assert pvh.extract(b"not a kernel") is None
 
 
-def test_the_vmlinux_is_used_only_when_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_vmlinux_is_used_only_when_asked(tmp_path: Path) -> None:
     vmlinux = elf_with_notes(note(b"Xen", pvh.XEN_ELFNOTE_PHYS32_ENTRY, b"\0" * 4))
     kernel = tmp_path / "vmlinuz"
     kernel.write_bytes(bzimage(lzma.compress(vmlinux, format=lzma.FORMAT_XZ)))
-    monkeypatch.delenv(pvh.ENV, raising=False)
-    assert pvh.kernel_for(kernel) == kernel
-    monkeypatch.setenv(pvh.ENV, "1")
-    booted = pvh.kernel_for(kernel)
+    assert GuestProfile(pvh=False).kernel(kernel) == kernel
+    booted = GuestProfile(pvh=True).kernel(kernel)
     assert booted != kernel and booted.read_bytes() == vmlinux
     assert pvh.kernel_for(kernel) == booted  # cached
     plain = tmp_path / "plain"

@@ -21,7 +21,6 @@ from thinvm.guest.image import DiskImage, create_overlay, guest_info
 from thinvm.guest.trim import TrimResult, trim_guest
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB
-from thinvm.vm.machine import with_process_wide_args
 
 BOOT_TIMEOUT = 180.0
 
@@ -65,10 +64,10 @@ def spec_for(
     return DomainSpec(
         name=guest.name,
         emulator=binary or emulator.emulator_path(guest.build),
-        kernel=image.boot_kernel,
+        kernel=image.vmlinuz,
         initrd=image.initrd,
         disk=shared / f"{guest.name}.qcow2",
-        cmdline=with_process_wide_args(image.cmdline),
+        cmdline=image.cmdline,
         memory=guest.memory,
         console_log=shared / f"{guest.name}.console.log",
         ranges=thinvm,

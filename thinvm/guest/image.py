@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.errors import ThinvmError
-from thinvm.guest import pvh
 from thinvm.guest.agent import AgentClient
 from thinvm.paths import REPO
 
@@ -106,12 +105,6 @@ class DiskImage:
     @property
     def vmlinuz(self) -> Path:
         return self.directory / "vmlinuz"
-
-    @property
-    def boot_kernel(self) -> Path:
-        """What a domain boots: the bzImage, or its vmlinux through PVH
-        where asked for (thinvm.guest.pvh)."""
-        return pvh.kernel_for(self.vmlinuz)
 
     @property
     def initrd(self) -> Path:

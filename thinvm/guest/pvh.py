@@ -8,9 +8,10 @@ carries the Xen PHYS32_ENTRY note, and QEMU's -kernel boots such an ELF
 directly (through the pvh.bin option ROM on pc and q35).  The vmlinux is
 extracted once, next to the bzImage, and reused.
 
-Opt-in (THINVM_PVH=1; the test suite sets it): the guest then starts with
-less memory touched than after a bzImage boot (no decompression buffers),
-so benchmarks keep the bzImage their records were taken with.
+For the test suite's guests only (thinvm.testing.profile): the guest then
+starts with less memory touched than after a bzImage boot (no
+decompression buffers), so users' guests and the benchmarks keep the
+bzImage their records were taken with.
 """
 
 import contextlib
@@ -21,16 +22,11 @@ import struct
 import subprocess
 from pathlib import Path
 
-ENV = "THINVM_PVH"
 XZ_MAGIC = b"\xfd7zXZ\x00"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 ELF_MAGIC = b"\x7fELF"
 PT_NOTE = 4
 XEN_ELFNOTE_PHYS32_ENTRY = 18
-
-
-def wanted() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
 
 
 def has_pvh_entry(elf: bytes) -> bool:
@@ -93,9 +89,9 @@ def extract(bzimage: bytes) -> bytes | None:
 
 
 def kernel_for(bzimage: Path) -> Path:
-    """What to give QEMU's -kernel: the cached PVH vmlinux beside
-    `bzimage` when wanted and bootable, else `bzimage` itself."""
-    if not wanted() or not bzimage.is_file():
+    """What to give QEMU's -kernel to boot `bzimage` through PVH: the
+    cached vmlinux beside it when it has one that boots so, else `bzimage`."""
+    if not bzimage.is_file():
         return bzimage  # a missing kernel is QEMU's to report
     cached = bzimage.with_name(bzimage.name + ".pvh")
     if cached.is_file() and cached.stat().st_mtime >= bzimage.stat().st_mtime:

@@ -18,7 +18,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,7 +27,6 @@ from types import TracebackType
 from typing import Any
 
 from thinvm.errors import ThinvmError
-from thinvm.guest import pvh
 from thinvm.guest.agent import AgentClient
 from thinvm.guest.image import (
     GuestImage,
@@ -46,7 +44,6 @@ from thinvm.qemu import accel as accel_mod
 from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
-from thinvm.vm import bootcache
 
 AGENT_PORT_NAME = "org.thinvm.agent"
 # The range balloon stays experimental in QEMU ("x-") until the virtio
@@ -69,9 +66,6 @@ VIRTIO_MEM_BLOCK_SIZE = 2 * MiB
 # busybox guest has no udev), and into ZONE_MOVABLE, so that it can be
 # unplugged again: Debian's 6.1 leaves hotplugged memory offline by default.
 VIRTIO_MEM_KERNEL_ARGS = "memhp_default_state=online_movable"
-# The VM that boots a guest whose state bootcache keeps.
-BOOT_TEMPLATE_NAME = "boot-template"
-KEPT_BOOT_TIMEOUT = 120.0  # saving or loading a kept boot (~0.5 s)
 MIN_MEMORY = 256 * MiB
 # Guest images (VMConfig.image): the busybox initramfs (guest/image/build.sh)
 # and the Debian 12 disk image (guest/image/build-disk.sh), whose balloon
@@ -83,11 +77,6 @@ DISK_FILE = "disk.qcow2"  # a disk guest's overlay, in its run directory
 # costs a module load and unload per run, and before our driver packed its
 # queue list (guest/balloon, 2026-11-25) that rmmod died on 6.12.
 NO_THINVM_DRIVER = "module_blacklist=thinvm_balloon"
-# Kernel arguments every guest this process starts gets before its own
-# (VMConfig.append wins).  The test suite sets init_on_alloc=0: Debian's
-# kernels zero each page they allocate, which under TCG was ~30% of a
-# guest's boot and of its memory work, and which no test is about.
-GUEST_APPEND_ENV = "THINVM_GUEST_APPEND"
 INTREE_DRIVER = 'insmod "$(modinfo -F filename virtio_balloon)"'
 PR_SET_PDEATHSIG = 1
 
@@ -115,11 +104,6 @@ GUEST_CONSOLE_ARGS = "console=ttyS0 no_timer_check"
 # without it, a Debian one 5.5-5.9% and 0.9-1.3% (TCG, 2026-11-27,
 # docs/architecture.md): CPU a host of idle guests gets back.
 MACHINE = "q35,hpet=off"
-
-
-def with_process_wide_args(cmdline: str) -> str:
-    """`cmdline` after the kernel arguments of GUEST_APPEND_ENV, if any."""
-    return " ".join(a for a in (os.environ.get(GUEST_APPEND_ENV, ""), cmdline) if a)
 
 
 @dataclass
@@ -313,8 +297,6 @@ class VM:
         # A balloon target an operator set with `thinvm balloon`: the
         # controller leaves the VM there until `thinvm balloon NAME auto`.
         self.operator_target: int | None = None
-        # Load a kept boot of this guest if there is one (bootcache).
-        self.keep_boot = True
 
     # -- paths -------------------------------------------------------------
     @property
@@ -440,15 +422,26 @@ class VM:
             # a migration run on this host and share its page cache.
             drive = ["-drive", f"file={self.disk},if=virtio,format=qcow2,discard=unmap"]
         hotplug = VIRTIO_MEM_KERNEL_ARGS if cfg.virtio_mem else ""
-        fixed = " ".join(a for a in (base, "panic=-1", hotplug) if a)
-        # The process-wide arguments go before the config's own, so that those win.
-        append = " ".join(a for a in (fixed, with_process_wide_args(cfg.append)) if a)
-        boot = pvh.kernel_for(self.image.kernel)
-        kernel = ["-kernel", str(boot), "-initrd", str(self.image.initrd)]
+        # Leading arguments go before the config's own, so that those win.
+        append = " ".join(
+            a for a in (base, "panic=-1", hotplug, self._leading_append(), cfg.append) if a
+        )
+        kernel = ["-kernel", str(self._kernel()), "-initrd", str(self.image.initrd)]
         return [*kernel, "-append", append, *drive]
 
-    def command_line(self, restore: bool = False) -> list[str]:
-        """QEMU's arguments; `restore`: to load a kept boot (bootcache)."""
+    # What a guest boots: the image's kernel and arguments.  The test suite's
+    # guests boot otherwise (thinvm.testing.keptboot.KeptBootVM).
+    def _kernel(self) -> Path:
+        """The kernel QEMU boots: the image's bzImage."""
+        assert self.image is not None
+        return self.image.kernel
+
+    def _leading_append(self) -> str:
+        """Kernel arguments before the config's own (VMConfig.append wins)."""
+        return ""
+
+    def command_line(self) -> list[str]:
+        """QEMU's arguments."""
         assert self.build is not None and self.image is not None
         cfg = self.config
         args = [
@@ -482,7 +475,7 @@ class VM:
             "-pidfile",
             str(self.rundir / "qemu.pid"),
         ]
-        if self.incoming or restore:
+        if self.incoming:
             args += ["-incoming", "defer"]
         return [*args, *cfg.extra_args]
 
@@ -558,11 +551,11 @@ class VM:
             pool_lease.release_vm(self.config.pool, self.pool_lease, self.pid)
             self.pool_lease = None
 
-    def _spawn(self, restore: bool = False) -> None:
+    def _spawn(self) -> None:
         log = open(self.qemu_log, "wb")  # noqa: SIM115 - handed to the child
         try:
             self.process = subprocess.Popen(
-                self.command_line(restore),
+                self.command_line(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -628,84 +621,27 @@ class VM:
                 )
 
     def start(self, wait_agent: bool = True) -> "VM":
-        """Launch QEMU; unless incoming, wait until the guest agent answers.
-
-        With a boot cache (bootcache), a guest booted before in the same
-        configuration is loaded from its state after that boot instead.
-        """
+        """Launch QEMU; unless incoming, wait until the guest agent answers."""
         self.check_socket_paths()
         self.rundir.mkdir(parents=True, exist_ok=True)
         self._resolve()
         started = time.monotonic()
-        kept = self._kept_boot() if wait_agent and not self.incoming else None
-        self._spawn(restore=kept is not None)
         try:
-            self._wait_for_qmp()
-            if kept is not None:
-                self._load_kept_boot(kept)
-            if wait_agent and not self.incoming:
-                self.wait_agent()
-                if kept is not None:
-                    # The guest's clock stopped when its state was saved.
-                    self.agent.check(f"date -s @{int(time.time())} >/dev/null")
-                self.boot_seconds = time.monotonic() - started
+            self._boot(wait_agent)
         except BaseException:
             self.kill()
             raise
+        if wait_agent and not self.incoming:
+            self.boot_seconds = time.monotonic() - started
         return self
 
-    # -- kept boots (bootcache) --------------------------------------------
-    def _boot_key(self) -> str:
-        assert self.build is not None and self.image is not None
-        files = [self.build.binary, pvh.kernel_for(self.image.kernel), self.image.initrd]
-        return bootcache.guest_key(self.command_line(), self.config.name, self.rundir, files)
-
-    def _kept_boot(self) -> Path | None:
-        """The kept boot of this guest, made now if there is none; None:
-        boot the guest (no boot cache, a guest not kept, or no template)."""
-        root = bootcache.cache_root()
-        if root is None or not self.keep_boot:
-            return None
-        if not bootcache.kept_kind(self.config, self.accel):
-            return None
-        key = self._boot_key()
-        try:
-            return bootcache.ensure_entry(root, key, lambda d: self._keep_boot(d, key))
-        except (ThinvmError, TimeoutError) as exc:
-            # Booting this guest will say what is wrong, in its context.
-            print(f"thinvm: {self.config.name}: no kept boot: {exc}", file=sys.stderr)
-            return None
-
-    def _keep_boot(self, directory: Path, key: str) -> None:
-        """Boot a template of this guest and save its state in `directory`."""
-        template = VM(replace(self.config, name=BOOT_TEMPLATE_NAME, memory_cgroup=None))
-        template.keep_boot = False
-        try:
-            template.start()
-            if template._boot_key() != key:
-                raise ThinvmError("the boot template's QEMU command line differs from the guest's")
-            template.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
-            template.qmp("stop")
-            template.qmp("migrate", uri=f"file:{directory / bootcache.STATE_FILE}")
-            template.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
-            shutil.copy(template.serial_log, directory / bootcache.SERIAL_FILE)
-        finally:
-            template.kill()
-
-    def _load_kept_boot(self, entry: Path) -> None:
-        """Load a kept boot into this QEMU (-incoming defer), and run it."""
-        try:
-            self.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
-            self.qmp("migrate-incoming", uri=f"file:{entry / bootcache.STATE_FILE}")
-            self.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
-        except ThinvmError as exc:
-            # Not kept for the next guest: it boots, and keeps a new one.
-            shutil.rmtree(entry, ignore_errors=True)
-            raise ThinvmError(f"loading the kept boot {entry} failed: {exc}") from exc
-        # The guest's own migrations go over sockets, which mapped-ram refuses.
-        self.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(False)])
-        self.qmp("cont")
-        shutil.copy(entry / bootcache.SERIAL_FILE, self.rundir / "serial-boot.log")
+    def _boot(self, wait_agent: bool) -> None:
+        """Run QEMU until it answers on QMP and, if `wait_agent` and not
+        incoming, until the guest's agent does."""
+        self._spawn()
+        self._wait_for_qmp()
+        if wait_agent and not self.incoming:
+            self.wait_agent()
 
     def wait_migration_status(self, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
         """Poll query-migrate until its status is one of `wanted`."""
@@ -875,10 +811,6 @@ class VM:
         if monitor:
             vm.connect_monitor()
         return vm
-
-
-def _mapped_ram(on: bool) -> dict[str, Any]:
-    return {"capability": "mapped-ram", "state": on}
 
 
 def _monitor_lock_path(sock: Path) -> Path:
