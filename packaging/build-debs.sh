@@ -285,7 +285,11 @@ build_thinvm() {
 	mkdir -p "$root$py/qemu" "$root/usr/bin" "$root/lib/systemd/system" "$root/etc/thinvm" \
 		"$root/usr/share/man/man1" "$root/usr/share/doc/$pkg"
 	# Sources only: postinst compiles them for the python3 the host has.
-	(cd "$top" && find thinvm -name '*.py' -o -name py.typed) |
+	# Not the benchmarks (thinvm/bench: `thinvm bench` runs from a source
+	# tree, where their records and docs are) nor what only the test suite
+	# runs (thinvm/testing: its guest profile and kept boots).
+	(cd "$top" && find thinvm \( -path thinvm/bench -o -path thinvm/testing \) -prune -o \
+		\( -name '*.py' -o -name py.typed \) -print) |
 		while read -r f; do install -D -m 0644 "$top/$f" "$root$py/$f"; done
 	# qmp_tui needs urwid, which thinvm never uses.
 	(cd "$(dirname "$qmp")" && find qmp -name '*.py' ! -name qmp_tui.py -o -name py.typed) |

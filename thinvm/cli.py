@@ -1,13 +1,13 @@
 """The `thinvm` command: a thin layer over the library."""
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from thinvm.balance import cli as balance_cli
-from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cli as fleet_cli
 from thinvm.pool import cli as pool_cli
@@ -79,6 +79,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_no_bench(_args: argparse.Namespace) -> int:
+    raise ThinvmError(
+        "this thinvm has no benchmarks (the thinvm package leaves them out): "
+        "run 'thinvm bench' from a thinvm source tree, after 'make setup'"
+    )
+
+
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -105,6 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the flagship scenario on the stock and the thinvm stack")
     p.add_argument("--memory", default="2G")
     p.set_defaults(func=cmd_demo)
+
+    add_bench_parser(sub)
+
+    pool_cli.add_parsers(sub)
+    balance_cli.add_parsers(sub)
+    return parser
+
+
+def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """`thinvm bench` where the benchmarks are: a thinvm source tree (the
+    thinvm package leaves thinvm.bench out, packaging/build-debs.sh)."""
+    if importlib.util.find_spec("thinvm.bench") is None:
+        p = sub.add_parser("bench", help="(not installed) benchmarks run from a thinvm source tree")
+        p.add_argument("words", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(func=cmd_no_bench)
+        return
+    from thinvm.bench.quiet import QuietGate  # only in a source tree
 
     p = sub.add_parser("bench", help="run a benchmark scenario (docs/benchmarks.md)")
     p.add_argument("scenario", nargs="?", help="scenario name (see --list)")
@@ -137,10 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", action="store_true", help="only regenerate docs/benchmarks.md and plots"
     )
     p.set_defaults(func=cmd_bench)
-
-    pool_cli.add_parsers(sub)
-    balance_cli.add_parsers(sub)
-    return parser
 
 
 # Subcommands whose words after the first `--` are a guest's argv.
