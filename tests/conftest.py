@@ -88,7 +88,7 @@ MODULE_SECONDS = {
     "tests/unit/test_qtests_sparse_discard_files.py": 61,
     "tests/integration/test_packages.py": 59,
     "tests/unit/test_qtests_precopy.py": 35,
-    "tests/integration/test_downtime.py": 31,
+    "tests/integration/test_downtime.py": 80,
     "tests/integration/test_sudden_growth.py": 55,  # alone, 2026-11-28
     "tests/integration/test_sparse_postcopy.py": 30,  # alone on a busy host, 2026-11-28
     "tests/integration/test_pool_security.py": 15,
