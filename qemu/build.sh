@@ -208,7 +208,7 @@ write_stamp() {
 	local flavour=$1 build=$2 out=$cache/qemu/$1
 	mkdir -p "$out"
 	# An unchanged binary keeps its mtime: the test suite's kept boots
-	# (thinvm.vm.bootcache) are keyed by it.
+	# (thinvm.testing.keptboot) are keyed by it.
 	cmp -s "$build/qemu-system-x86_64" "$out/qemu-system-x86_64" ||
 		install -m 0755 "$build/qemu-system-x86_64" "$out/qemu-system-x86_64"
 	cat >"$out/build.json" <<JSON
