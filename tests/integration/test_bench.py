@@ -27,7 +27,12 @@ def test_inflate_scenario_end_to_end(tmp_path: Path) -> None:
     variants = ["untouched", "touched", "touched-ranges"]
     # quiet_wait=0: tests run on a busy machine; they check files, not speed.
     options = BenchOptions(
-        size=512 * MiB, runs=1, variants=variants, params={"fraction": "0.5"}, quiet_wait=0
+        size=512 * MiB,
+        runs=1,
+        variants=variants,
+        params={"fraction": "0.5"},
+        quiet_wait=0,
+        vm_class=KeptBootVM,
     )
     path = runner.run(
         "inflate", options, results_dir=results, docs=docs, line=ProgressLine("[test] ")
@@ -79,6 +84,7 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
         params={"idle": "0", "used": "0.25"},
         variants=["stock-hint-mfd2", "thinvm-hint", "legacy"],
         quiet_wait=0,
+        vm_class=KeptBootVM,
     )
     path = runner.run(
         "migrate-idle", options, results_dir=results, docs=None, line=ProgressLine("[test] ")
@@ -133,6 +139,7 @@ def test_migrate_working_set_trims_before_it_migrates(tmp_path: Path) -> None:
         variants=variants,
         params={"data": "256M", "hot": "32M", "anon": "32M", "passes": "2", "idle": "0"},
         quiet_wait=0,
+        vm_class=KeptBootVM,
     )
     path = runner.run(
         "migrate-working-set", options, results_dir=results, docs=None, line=ProgressLine("[test] ")

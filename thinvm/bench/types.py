@@ -14,7 +14,7 @@ from typing import Any
 
 from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
-from thinvm.vm.machine import BalloonOptions, VMConfig
+from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 from thinvm.vm.stack import Stack
 
 Metric = float | int | None
@@ -176,6 +176,10 @@ class BenchOptions:
     # seconds for a 1-minute load below quiet_load and no foreign QEMU.
     quiet_load: float = QuietGate.max_load
     quiet_wait: float = QuietGate.max_wait_s
+    # The class the scenarios start their guests with: users' VM, booted as
+    # users boot it; the test suite passes its KeptBootVM (thinvm.testing),
+    # which only checks that the scenarios run, not what they measure.
+    vm_class: type[VM] = VM
 
     def vm_config(
         self,

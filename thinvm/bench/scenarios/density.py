@@ -36,7 +36,7 @@ def make_density(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
                 vms: list[VM] = []
                 ctx.step(f"booting {guests} guests")
                 for i in range(guests):
-                    vm = VM(opts.vm_config(f"b-dense{i}", size, reporting=reporting))
+                    vm = opts.vm_class(opts.vm_config(f"b-dense{i}", size, reporting=reporting))
                     vms.append(stack.enter_context(vm.start(wait_agent=False)))
                 for vm in vms:
                     vm.wait_agent()
@@ -170,7 +170,7 @@ def _start_in(
     size: int,
     reporting: bool,
 ) -> VM:
-    vm = VM(opts.vm_config(name, size, reporting=reporting))
+    vm = opts.vm_class(opts.vm_config(name, size, reporting=reporting))
     with spawn_in(cgroup):
         vm.start(wait_agent=False)
     # Kill rather than `quit` at the end: a QEMU the OOM killer is taking

@@ -72,7 +72,7 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
     idle = float_param(params, "idle")
     fraction = used_fraction(params)
     used = int(size * fraction) // MiB * MiB
-    transport = Transport(opts.net)
+    transport = Transport(opts.net, vm_class=opts.vm_class)
 
     def make(c: Candidate) -> Callable[[RunContext], Metrics]:
         return idle_migration(opts, size, c.stack, transport, idle, used, c.params)
@@ -136,7 +136,10 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     idle = float_param(params, "idle")
     rate = params["rate"]
     used = used_bytes(params, size)
-    loopback, veth = Transport("loopback"), Transport("veth", rate)
+    loopback, veth = (
+        Transport("loopback", vm_class=opts.vm_class),
+        Transport("veth", rate, vm_class=opts.vm_class),
+    )
     variants: list[Variant] = []
     best: list[Best] = []
 

@@ -53,7 +53,7 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
             metrics: Metrics = {}
             config = opts.vm_config("b-inflate", size, stack)
             config.append = f"{config.append} init_on_alloc={init_on_alloc}".strip()
-            with VM(config).start() as vm:
+            with opts.vm_class(config).start() as vm:
                 ctx.note("boot_s", vm.boot_seconds)
                 if touched:
                     ctx.step("guest touches its free memory")

@@ -9,14 +9,13 @@ from thinvm.errors import ThinvmError
 from thinvm.host.procs import process_age
 from thinvm.units import format_size
 from thinvm.vm import pooled
-from thinvm.vm.machine import VM
 
 
 def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     def variant(prealloc: bool, threads: int) -> Callable[[RunContext], Metrics]:
         def run(ctx: RunContext) -> Metrics:
             config = opts.vm_config("b-start", size, prealloc=prealloc, prealloc_threads=threads)
-            vm = VM(config)
+            vm = opts.vm_class(config)
             with vm.start(wait_agent=False):
                 assert vm.pid is not None
                 qmp_s = process_age(vm.pid)

@@ -82,11 +82,14 @@ class Transport:
     pair shaped with tc (see bench_probe.veth_link).
     """
 
-    def __init__(self, kind: str = "loopback", rate: str = "10gbit") -> None:
+    def __init__(
+        self, kind: str = "loopback", rate: str = "10gbit", *, vm_class: type[VM] = VM
+    ) -> None:
         if kind not in ("loopback", "veth"):
             raise ThinvmError(f"unknown --net {kind!r}: choose loopback or veth")
         self.kind = kind
         self.rate = rate
+        self.vm_class = vm_class
         self.link: VethLink | None = None
 
     @contextlib.contextmanager
@@ -110,7 +113,7 @@ class Transport:
 
     def start(self, config: VMConfig, *, incoming: bool = False) -> VM:
         with in_netns(self._netns(incoming)):
-            return VM(config, incoming=incoming).start()
+            return self.vm_class(config, incoming=incoming).start()
 
     def migrate(
         self,
