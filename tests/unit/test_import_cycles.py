@@ -111,3 +111,21 @@ def test_thinvm_imports_nothing_of_the_test_suites() -> None:
         if not name.startswith("thinvm.testing")
     }
     assert {name: deps for name, deps in users.items() if deps} == {}
+
+
+def package(module: str) -> str:
+    """thinvm.vm.machine -> vm; thinvm.cli -> cli."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_no_cycle_between_packages() -> None:
+    """Layers, not just modules: guest speaks to the guest and knows
+    nothing of a VM (vm uses guest, never the other way round), and so on
+    for every pair of thinvm's subpackages."""
+    edges: dict[str, set[str]] = {}
+    for name, deps in graph().items():
+        edges.setdefault(package(name), set()).update(
+            package(dep) for dep in deps if package(dep) != package(name)
+        )
+    cycle = find_cycle(edges)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle or [])

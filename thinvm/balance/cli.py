@@ -182,9 +182,3 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--state")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
-
-
-if __name__ == "__main__":
-    from thinvm.cli import main
-
-    sys.exit(main(["balance", *sys.argv[1:]]))

@@ -15,7 +15,6 @@ from typing import Any
 from thinvm.errors import GuestError
 from thinvm.guest.agent import AgentClient
 from thinvm.units import MiB, format_size
-from thinvm.vm.machine import VM
 
 # A guest agent that does not PONG within this long is taken as absent.
 SYNC_TIMEOUT = 10.0
@@ -164,21 +163,6 @@ def expected_return(reply: dict[str, Any]) -> int:
     grew by during the trim (its compaction included); 0 if unknown."""
     grown = int(reply.get("free_after", 0)) - int(reply.get("free_before", 0))
     return int(grown * SETTLE_ENOUGH) if grown > 0 else 0
-
-
-def trim(
-    vm: VM, max_bytes: int = 0, timeout: float = 30.0, settle_timeout: float = 60.0
-) -> TrimResult:
-    """Trim `vm`'s guest and wait until the host got the memory back."""
-    balloon = vm.config.balloon
-    return trim_guest(
-        vm.agent,
-        lambda: vm.host_memory().rss,
-        balloon.enabled and balloon.free_page_reporting,
-        max_bytes,
-        timeout,
-        settle_timeout,
-    )
 
 
 def reclaimer_status(

@@ -7,13 +7,13 @@ import sys
 from collections.abc import Callable, Iterator
 
 from thinvm.errors import ThinvmError
-from thinvm.guest import trim_cli
 from thinvm.guest.agent import shell_line
 from thinvm.pool import cli as pool_cli
 from thinvm.progress import ProgressLine
 from thinvm.qemu import builds
 from thinvm.units import format_size, parse_size, seconds, seconds_or_zero
 from thinvm.vm import balloon, migrate, registry, resize
+from thinvm.vm import trim as vm_trim
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
 
 EXEC_DESCRIPTION = """\
@@ -312,7 +312,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 "--sparse needs the patched QEMU build: start the VM with --build patched"
             )
         if args.trim:
-            trim_cli.before_migration(src, args.name)
+            vm_trim.before_migration(src, args.name)
         # Said both ways: a VM that arrived by an earlier migration still has
         # the capabilities it was received with.
         caps = {"postcopy-ram": args.postcopy is not None}
@@ -438,7 +438,7 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
     p.set_defaults(func=cmd_migrate)
 
-    trim_cli.add_parser(sub, registry.attached)
+    vm_trim.add_parser(sub, registry.attached)
 
     p = sub.add_parser("down", help="stop a VM")
     p.add_argument("name", nargs="?", type=vm_name)

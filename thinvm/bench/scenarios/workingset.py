@@ -45,6 +45,7 @@ from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Targ
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim, workload
 from thinvm.units import KiB, MiB, format_size
+from thinvm.vm import trim as vm_trim
 from thinvm.vm.machine import VM
 
 SEED = 20
@@ -257,9 +258,9 @@ def drop_caches(ctx: RunContext, src: VM) -> Metrics:
 
 
 def trim_first(ctx: RunContext, src: VM) -> Metrics:
-    """`thinvm migrate --trim`'s step: thinvm.guest.trim.trim()."""
+    """`thinvm migrate --trim`'s step: thinvm.vm.trim.trim()."""
     ctx.step("guest trims its cold memory")
-    result = trim.trim(src)
+    result = vm_trim.trim(src)
     ctx.note("trim", result.to_json())
     if not result.trimmed:
         raise ThinvmError(f"the guest did not trim: {result.note}")

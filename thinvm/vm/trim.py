@@ -1,4 +1,6 @@
-"""`thinvm trim NAME` and the trim step of `thinvm migrate --trim`."""
+"""Trim a VM's guest: the guest gives back cold memory (thinvm.guest.trim)
+and the host waits until free page reporting has returned it.  `thinvm
+trim NAME` and the trim step of `thinvm migrate --trim`."""
 
 import argparse
 import json
@@ -6,9 +8,25 @@ import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from thinvm.guest import trim
+from thinvm.guest.trim import TrimResult, trim_guest
 from thinvm.units import parse_size, seconds
 from thinvm.vm.machine import VM
+
+
+def trim(
+    vm: VM, max_bytes: int = 0, timeout: float = 30.0, settle_timeout: float = 60.0
+) -> TrimResult:
+    """Trim `vm`'s guest and wait until the host got the memory back."""
+    balloon = vm.config.balloon
+    return trim_guest(
+        vm.agent,
+        lambda: vm.host_memory().rss,
+        balloon.enabled and balloon.free_page_reporting,
+        max_bytes,
+        timeout,
+        settle_timeout,
+    )
+
 
 Attach = Callable[[str], AbstractContextManager[VM]]
 
@@ -16,7 +34,7 @@ Attach = Callable[[str], AbstractContextManager[VM]]
 def cmd_trim(args: argparse.Namespace, attached: Attach) -> int:
     max_bytes = parse_size(args.max_bytes) if args.max_bytes else 0
     with attached(args.name) as vm:
-        result = trim.trim(vm, max_bytes=max_bytes, timeout=args.timeout)
+        result = trim(vm, max_bytes=max_bytes, timeout=args.timeout)
     if args.json:
         print(json.dumps(result.to_json()))
     elif result.trimmed:
@@ -41,9 +59,9 @@ def add_parser(
     p.set_defaults(func=lambda args: cmd_trim(args, attached))
 
 
-def before_migration(vm: VM, name: str) -> trim.TrimResult:
+def before_migration(vm: VM, name: str) -> TrimResult:
     """Trim ahead of a migration: one line either way, never an error."""
-    result = trim.trim(vm)
+    result = trim(vm)
     if result.trimmed:
         print(result.describe(name), flush=True)
     else:
