@@ -5,7 +5,6 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from thinvm.balance import cli as balance_cli
 from thinvm.errors import ThinvmError
@@ -53,44 +52,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run(memory=parse_size(args.memory))
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from thinvm.bench import runner as bench
-
-    options = bench.BenchOptions(
-        size=parse_size(args.size) if args.size else None,
-        runs=args.runs,
-        variants=[v for v in (args.variants or "").split(",") if v],
-        params=dict(_key_value(p) for p in args.param),
-        build=args.build,
-        kernel=args.kernel,
-        accel=args.accel,
-        counter=args.counter,
-        net=args.net,
-        quiet_load=args.quiet_load,
-        quiet_wait=args.quiet_wait,
-    )
-    return bench.main(
-        args.scenario,
-        options,
-        list_only=args.list,
-        report_only=args.report,
-        results_dir=Path(args.results) if args.results else bench.RESULTS_DIR,
-        docs=None if args.no_docs else bench.DOCS_PATH,
-    )
-
-
 def cmd_no_bench(_args: argparse.Namespace) -> int:
     raise ThinvmError(
         "this thinvm has no benchmarks (the thinvm package leaves them out): "
         "run 'thinvm bench' from a thinvm source tree, after 'make setup'"
     )
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ThinvmError(f"--param {text!r}: use KEY=VALUE")
-    return key, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,39 +94,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
         p.add_argument("words", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         p.set_defaults(func=cmd_no_bench)
         return
-    from thinvm.bench.quiet import QuietGate  # only in a source tree
+    from thinvm.bench import cli as bench_cli  # only in a source tree
 
-    p = sub.add_parser("bench", help="run a benchmark scenario (docs/benchmarks.md)")
-    p.add_argument("scenario", nargs="?", help="scenario name (see --list)")
-    p.add_argument("--size", help="main size of the scenario (default: per scenario)")
-    p.add_argument("--runs", type=int, help="runs per variant (default: per scenario)")
-    p.add_argument("--variants", help="comma-separated subset of the variants")
-    p.add_argument("--param", action="append", default=[], help="scenario KEY=VALUE")
-    p.add_argument("--build", default="stock", help="QEMU build: stock or patched")
-    p.add_argument("--kernel", default="6.1", help="guest kernel: 6.1 or 6.12")
-    p.add_argument("--accel", default="auto", help="auto, tcg or kvm")
-    p.add_argument("--counter", default="auto", help="discard counter: auto, perf, strace")
-    p.add_argument("--net", default="loopback", help="migrations over: loopback or veth")
-    p.add_argument("--results", help="results directory (default bench/results)")
-    p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
-    p.add_argument(
-        "--quiet-load",
-        type=float,
-        default=QuietGate.max_load,
-        help="a run starts once the 1-minute load is below this (default: %(default)s)",
-    )
-    p.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=QuietGate.max_wait_s,
-        help="seconds a run waits for a quiet machine before it starts anyway and "
-        "records what it saw; 0: do not wait (default: %(default)s)",
-    )
-    p.add_argument("--list", action="store_true", help="list scenarios and their defaults")
-    p.add_argument(
-        "--report", action="store_true", help="only regenerate docs/benchmarks.md and plots"
-    )
-    p.set_defaults(func=cmd_bench)
+    bench_cli.add_parser(sub)
 
 
 # Subcommands whose words after the first `--` are a guest's argv.
