@@ -11,6 +11,7 @@ from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import domain_xml
 from thinvm.guest import image as guest_image
 from thinvm.guest.agent import shell_line
+from thinvm.guest.trim import report as trim_report
 from thinvm.units import parse_size, seconds
 
 
@@ -110,13 +111,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
     host = guest.find_guest(state, args.name)
     max_bytes = parse_size(args.max_bytes) if args.max_bytes else 0
     result = guest.trim(host, args.name, max_bytes=max_bytes, timeout=args.timeout)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    elif result.trimmed:
-        print(result.describe(args.name))
-    else:
-        print(f"thinvm: {result.describe(args.name)}", file=sys.stderr)
-    return 0 if result.trimmed else 1
+    return trim_report(result, args.name, args.json)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ after pages are freed, then reports in batches), so "done" is when the
 QEMU process's RSS has stopped falling.
 """
 
+import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,3 +182,15 @@ def set_background(
     """Switch the guest's continuous reclaim on or off; its counters after."""
     reply = agent.request_json(f"RECLAIM {'on' if on else 'off'}", timeout=timeout, wait=wait)
     return reply if isinstance(reply, dict) else None
+
+
+def report(result: TrimResult, name: str, as_json: bool) -> int:
+    """Print a trim's outcome for `thinvm trim` and `thinvm fleet trim`: JSON,
+    or one line (on stderr if nothing was trimmed); the command's exit code."""
+    if as_json:
+        print(json.dumps(result.to_json()))
+    elif result.trimmed:
+        print(result.describe(name))
+    else:
+        print(f"thinvm: {result.describe(name)}", file=sys.stderr)
+    return 0 if result.trimmed else 1

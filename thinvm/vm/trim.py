@@ -3,12 +3,12 @@ and the host waits until free page reporting has returned it.  `thinvm
 trim NAME` and the trim step of `thinvm migrate --trim`."""
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from thinvm.guest.trim import TrimResult, trim_guest
+from thinvm.guest.trim import report as trim_report
 from thinvm.units import parse_size, seconds
 from thinvm.vm.machine import VM
 
@@ -35,13 +35,7 @@ def cmd_trim(args: argparse.Namespace, attached: Attach) -> int:
     max_bytes = parse_size(args.max_bytes) if args.max_bytes else 0
     with attached(args.name) as vm:
         result = trim(vm, max_bytes=max_bytes, timeout=args.timeout)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    elif result.trimmed:
-        print(result.describe(args.name))
-    else:
-        print(f"thinvm: {result.describe(args.name)}", file=sys.stderr)
-    return 0 if result.trimmed else 1
+    return trim_report(result, args.name, args.json)
 
 
 def add_parser(
