@@ -456,7 +456,8 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     """The controller and the warm pool as an operator runs them: `apt
     install thinvm`, the pool's slot size set in its config file,
     `systemctl enable --now thinvm-balance thinvm-pool` (the controller
-    with the packaged configuration: the system libvirtd's domains), then
+    with the packaged configuration: the system libvirtd's domains, whose
+    guest reclaimer it reaches through the agent channel), then
     `apt purge`, which stops both, gives the pool's memory back and leaves
     the guest images the host mounts."""
     images = guest_image.IMAGES_DIR
@@ -469,12 +470,23 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     systemctl(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
     status = ["env", "THINVM_CACHE=/var/lib/thinvm", "thinvm", "balance", "status", "--json"]
 
+    data: dict[str, Any] = {}
+
     def managing() -> bool:
+        # Through the domain's agent channel (libvirt's socket path, as the
+        # service sees it), the controller switched the guest's reclaimer
+        # to background mode (trim first: the machine type reports).
+        nonlocal data
         out = cluster.host_run(state, host, status)
         data = json.loads(out.stdout) if out.returncode == 0 else {}
-        return name in data.get("vms", {}) and int(data.get("cycle", 0)) >= 2
+        vm = data.get("vms", {}).get(name, {})
+        reclaimer = vm.get("reclaimer") or {}
+        return int(data.get("cycle", 0)) >= 2 and reclaimer.get("background") is True
 
-    wait_for(managing, f"thinvm-balance.service managing {name}", timeout=120)
+    try:
+        wait_for(managing, f"thinvm-balance.service driving {name}'s reclaimer", timeout=120)
+    except AssertionError:
+        raise AssertionError(json.dumps(data, indent=1)[-3000:]) from None
     assert systemctl(state, host, "is-active", "thinvm-balance.service") == "active"
     cgroup = systemctl(state, host, "show", "-P", "ControlGroup", "thinvm-balance.service")
     assert cgroup == "/system.slice/thinvm-balance.service", cgroup

@@ -3,26 +3,30 @@
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from thinvm.balance.backends import (
-    RECLAIMER_WAIT,
-    TRIM_FLOOR_SECONDS,
     LibvirtBackend,
     ThinvmBackend,
-    cache_floor_of,
     domain_sample,
     migrating_from_jobinfo,
     parse_domstats,
+    parse_reporting,
     parse_virtio_mem,
 )
 from thinvm.balance.daemon import Controller, format_status, load_status
 from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
+from thinvm.balance.reclaimers import (
+    RECLAIMER_WAIT,
+    TRIM_FLOOR_SECONDS,
+    GuestReclaimers,
+    cache_floor_of,
+)
 from thinvm.errors import AgentBusy, ThinvmError
+from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
 
@@ -258,6 +262,66 @@ def test_libvirt_backend_resizes_virtio_mem_and_skips_a_vanished_domain() -> Non
     assert backend.calls[-2][:2] == ("update-memory-device", "vmem")
 
 
+def live_xml_with_agent() -> str:
+    xml = (DATA / "domain-live.xml").read_text()
+    return xml.replace("org.thinvm.agent.0", AGENT_PORT)
+
+
+def test_libvirt_backend_reaches_the_reclaimer_through_the_domains_agent_channel(
+    tmp_path: Path,
+) -> None:
+    """The channel libvirt placed (its path from the live XML, under the
+    host's root as this controller sees it), taken in turns under a lock
+    beside the socket; a domain started anew gets a new client."""
+    xml = live_xml_with_agent()
+    stats = "Domain: 'web'\n  balloon.current=524288\n  balloon.maximum=524288\n"
+    backend = FakeVirsh({"web": xml}, stats)
+    backend.host_root = tmp_path
+    asked: list[str] = []
+
+    def reclaimer(name: str, agent: Any) -> Reclaimer:
+        asked.append(agent.path)
+        return Reclaimer(available=True, background=False)
+
+    backend.reclaimers.reclaimer = reclaimer  # type: ignore[method-assign]
+    (sample,) = backend.sample()
+    socket = str(tmp_path / "run/libvirt/qemu/channel/7-web" / AGENT_PORT)
+    assert sample.reporting and sample.reclaimer is not None and asked == [socket]
+    assert backend._agent_of("web")._lock.path == Path(socket + ".lock")  # type: ignore[union-attr]
+    first = backend._agent_of("web")
+    backend.sample()
+    assert backend._agent_of("web") is first
+    backend.xml["web"] = xml.replace("7-web", "8-web")
+    backend.sample()
+    assert backend._agent_of("web") is not first and asked[-1].endswith("8-web/" + AGENT_PORT)
+
+    # Without reporting what the reclaimer frees stays in the guest: not asked.
+    backend.xml["web"] = xml.replace("freePageReporting='on'", "freePageReporting='off'")
+    (sample,) = backend.sample()
+    assert not sample.reporting and sample.reclaimer is None and len(asked) == 3
+
+    # A domain without the channel: a clear error, not a stack trace.
+    backend.xml["web"] = xml.replace(AGENT_PORT, "org.qemu.guest_agent.0")
+    (sample,) = backend.sample()
+    assert sample.reclaimer is None
+    with pytest.raises(ThinvmError, match=r"no org\.thinvm\.agent channel"):
+        backend.set_reclaim("web", True)
+    with pytest.raises(ThinvmError, match=r"no org\.thinvm\.agent channel"):
+        backend.trim("web", 64 * MiB)
+
+
+def test_reporting_is_the_xmls_setting_or_the_machine_types_default() -> None:
+    xml = live_xml_with_agent()
+    assert parse_reporting(xml)
+    assert not parse_reporting(xml.replace("freePageReporting='on'", "freePageReporting='off'"))
+    unset = xml.replace(" freePageReporting='on'", "")
+    assert not parse_reporting(unset)  # pc-q35-10.0: QEMU's default, off
+    assert parse_reporting(unset.replace("machine='pc-q35-10.0'", "machine='pc-q35-10.0-thinvm'"))
+    assert not parse_reporting(
+        xml.replace("model='virtio' autodeflate", "model='none' autodeflate")
+    )
+
+
 def test_migrating_from_jobinfo() -> None:
     idle = "Job type:         None\n\n"
     out = "Job type:         Unbounded\nOperation:        Outgoing migration\nTime elapsed: 1 ms\n"
@@ -339,12 +403,11 @@ class BusyAgent:
 def test_a_reclaimer_the_agent_was_too_busy_to_report_is_asked_for_next_cycle() -> None:
     """Not 30 s later: the first overcommit guest, reading its disk when the
     controller started, was ballooned as if it could not trim."""
-    backend = ThinvmBackend(vms=[])
-    agent = BusyAgent()
-    guest = SimpleNamespace(config=SimpleNamespace(name="a"), agent=agent)
-    assert backend._reclaimer(guest) is None
+    reclaimers = GuestReclaimers(log=lambda _line: None, errors=[])
+    agent: Any = BusyAgent()
+    assert reclaimers.reclaimer("a", agent) is None
     agent.free = True
-    known = backend._reclaimer(guest)
+    known = reclaimers.reclaimer("a", agent)
     assert known is not None and known.background
     assert agent.waits == [RECLAIMER_WAIT, RECLAIMER_WAIT]  # a cycle never waits long
 
@@ -486,11 +549,11 @@ def test_a_trim_says_which_cache_is_hot(reply: dict[str, object], floor: int) ->
 
 
 def test_the_cache_floor_of_a_trim_holds_for_a_while() -> None:
-    backend = ThinvmBackend(vms=[])
-    guest = SimpleNamespace(config=SimpleNamespace(name="a"))
+    reclaimers = GuestReclaimers(log=lambda _line: None, errors=[])
+    agent: Any = None  # not asked: the counters are fresh
     now = time.monotonic()
-    backend._reclaimers["a"] = (now, Reclaimer(available=True, background=True))
-    backend._cache_floors["a"] = (now, 150 * MiB)
-    assert backend._reclaimer_of(guest).cache_floor == 150 * MiB  # type: ignore[union-attr]
-    backend._cache_floors["a"] = (now - TRIM_FLOOR_SECONDS - 1, 150 * MiB)
-    assert backend._reclaimer_of(guest).cache_floor == 0  # type: ignore[union-attr]
+    reclaimers._known["a"] = (now, Reclaimer(available=True, background=True))
+    reclaimers._cache_floors["a"] = (now, 150 * MiB)
+    assert reclaimers.reclaimer("a", agent).cache_floor == 150 * MiB  # type: ignore[union-attr]
+    reclaimers._cache_floors["a"] = (now - TRIM_FLOOR_SECONDS - 1, 150 * MiB)
+    assert reclaimers.reclaimer("a", agent).cache_floor == 0  # type: ignore[union-attr]

@@ -11,8 +11,8 @@ from thinvm.bench.scenarios import fleet
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
 from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.fleet import cluster, emulator, guest
-from thinvm.fleet.domain import AGENT_PORT
 from thinvm.guest import image as guest_image
+from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import MiB
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 

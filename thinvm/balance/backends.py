@@ -8,7 +8,6 @@ small so the daemon, the tests and the benchmark can swap them.
 import contextlib
 import functools
 import subprocess
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -25,11 +24,11 @@ from thinvm.balance.model import (
     Reclaimer,
     VirtioMem,
     VmSample,
-    guest_count,
     parse_guest_stats,
 )
-from thinvm.errors import AgentBusy, GuestError, ThinvmError
-from thinvm.guest import trim
+from thinvm.balance.reclaimers import GuestReclaimers
+from thinvm.errors import ThinvmError
+from thinvm.guest.agent import AGENT_PORT, AgentClient, channel_lock, libvirt_agent_socket
 from thinvm.host.cgroups import cgroup_usage
 from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
@@ -39,22 +38,6 @@ from thinvm.vm import balloon, registry, resize
 from thinvm.vm.machine import VM, UnreadableState
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
-# How often the guest reclaimer's counters are read again: they serve the
-# status line and the trim-first rule, neither of which needs them fresher.
-RECLAIMER_REFRESH_SECONDS = 30.0
-RECLAIMER_TIMEOUT = 5.0  # for the agent's answer, once it is our turn
-# How long a cycle waits for an agent busy with someone else's command (a
-# workload's, a trim): the agent serves one request at a time, and waiting
-# RECLAIMER_TIMEOUT for it held every VM's cycle 5 s.  Asked again next cycle.
-RECLAIMER_WAIT = 0.2
-# A controller-driven trim holds the guest's agent (which serves one
-# request at a time) this long at most, plus its compaction.
-TRIM_SECONDS = 2.0
-# How long what a trim could not take counts as hot: the guest's working
-# set moves, and an older floor would keep its new cold cache from the host.
-TRIM_FLOOR_SECONDS = 60.0
-# Why a trim stopped short of its bytes, when what it left is hot.
-TRIM_STOPS_AT_HOT = ("floor", "refaults", "pressure", "no_progress")
 MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
 MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 VIRSH_TIMEOUT = 30.0  # seconds: a virsh call that takes longer is a failed call
@@ -67,22 +50,6 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, ThinvmError | BadGuestData):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def cache_floor_of(trim_reply: dict[str, Any]) -> int:
-    """The page cache a trim found it could not take (bytes).
-
-    Always the agent's floor, which counts the active file list; when the
-    trim stopped at that floor, on refaults, on pressure or for lack of
-    progress, all it left.  Stopped by its time or bytes, it says nothing
-    about the rest.  Without this the controller, seeing only the balloon
-    statistics' page cache, asked a guest holding 87 MiB of hot cache to
-    trim 23 MiB every second for a minute (overcommit probe, 2026-11-26).
-    """
-    floor = guest_count(trim_reply.get("floor_bytes", 0), "floor_bytes")
-    if trim_reply.get("stop") in TRIM_STOPS_AT_HOT:
-        floor = max(floor, guest_count(trim_reply.get("cache_after", 0), "cache_after"))
-    return floor
 
 
 class HeldByOperator(ThinvmError):
@@ -299,12 +266,8 @@ class ThinvmBackend:
         self.log = log
         self._names = set(names)  # only these detached VMs; empty: all
         self._attached: dict[str, Any] = {}
-        # name -> (when read, the reclaimer or None if the agent has none)
-        self._reclaimers: dict[str, tuple[float, Reclaimer | None]] = {}
-        self._trims: dict[str, threading.Thread] = {}  # in flight
-        # name -> (when the last trim answered, the cache it could not take)
-        self._cache_floors: dict[str, tuple[float, int]] = {}
         self._errors: list[str] = []  # per VM, since sample_errors() last took them
+        self.reclaimers = GuestReclaimers(log, self._errors)
 
     def _managed(self) -> list[str]:
         # A VM mid-switchover is missing from the listing for a moment:
@@ -414,7 +377,7 @@ class ThinvmBackend:
             host_rss=mem.rss,
             reporting=config.balloon.enabled and config.balloon.free_page_reporting,
             held=held,
-            reclaimer=self._reclaimer_of(vm) if config.balloon.free_page_reporting else None,
+            reclaimer=self._reclaimer_of(vm),
             levers=tuple(levers),
             virtio_mem=vmem,
             identity=identity,
@@ -430,48 +393,12 @@ class ThinvmBackend:
             return None
 
     def _reclaimer_of(self, vm: Any) -> Reclaimer | None:
-        """The reclaimer, with the cache floor its last trim (if recent) found."""
-        known = self._reclaimer(vm)
-        answered, floor = self._cache_floors.get(vm.config.name, (0.0, 0))
-        if known is None or time.monotonic() - answered > TRIM_FLOOR_SECONDS:
-            return known
-        return replace(known, cache_floor=floor)
-
-    def _reclaimer(self, vm: Any) -> Reclaimer | None:
-        """The guest reclaimer's counters, read at most every refresh period.
-
-        Asked of reporting guests only: without reporting, what the
-        reclaimer frees stays with the guest, so trim first never applies
-        and the agent is left alone."""
-        name = vm.config.name
-        read_at, known = self._reclaimers.get(name, (0.0, None))
-        if time.monotonic() - read_at < RECLAIMER_REFRESH_SECONDS:
-            return known
-        try:
-            counters = trim.reclaimer_status(
-                vm.agent, timeout=RECLAIMER_TIMEOUT, wait=RECLAIMER_WAIT
-            )
-        except AgentBusy:
-            # Asked again next cycle.  Until it answers, a guest whose
-            # reclaimer was never read counts as one without: until
-            # 2026-11-26 that lasted a whole refresh period, in which the
-            # first overcommit guest, busy reading its disk when the
-            # controller started, was ballooned like a guest that cannot
-            # trim (0-6 balloon targets a pass, the other guests none).
-            return known
-        except (GuestError, OSError, ValueError):
-            # Silent or gone for a moment: what it said last still holds;
-            # ask again next period.
-            self._reclaimers[name] = (time.monotonic(), known)
-            return known
-        try:
-            known = Reclaimer.from_counters(counters) if counters is not None else None
-        except BadGuestData as exc:
-            # An agent that sends garbage has no reclaimer to count on.
-            self._errors.append(f"{name}: guest reclaimer ignored: {exc}")
-            known = None
-        self._reclaimers[name] = (time.monotonic(), known)
-        return known
+        """The guest reclaimer, asked of reporting guests only: without
+        reporting, what it frees stays with the guest, so trim first never
+        applies and the agent is left alone."""
+        if not vm.config.balloon.free_page_reporting:
+            return None
+        return self.reclaimers.reclaimer(vm.config.name, vm.agent)
 
     def _with_vm(self, name: str, func: Callable[[Any], T]) -> T:
         """func(the VM called `name`), under its name lock if detached."""
@@ -502,55 +429,16 @@ class ThinvmBackend:
         self._with_vm(vm, send)
 
     def set_reclaim(self, vm: str, on: bool) -> None:
-        def switch(machine: Any) -> None:
-            try:
-                counters = trim.set_background(
-                    machine.agent, on, timeout=RECLAIMER_TIMEOUT, wait=RECLAIMER_WAIT
-                )
-            except AgentBusy:
-                raise  # not a failure: the policy asks again next cycle
-            except (GuestError, OSError, ValueError) as exc:
-                raise ThinvmError(f"guest agent: {exc}") from exc
-            if counters is None:
-                raise ThinvmError("the guest agent predates the reclaimer")
-            self._reclaimers[vm] = (time.monotonic(), Reclaimer.from_counters(counters))
-
-        self._with_vm(vm, switch)
+        self._with_vm(vm, lambda m: self.reclaimers.set_background(vm, m.agent, on))
 
     def trim(self, vm: str, max_bytes: int) -> bool:
-        """Start a bounded trim of `vm`'s guest in the background; False if
-        one is still running.  The cycle does not wait for it: the guest's
-        agent answers only when the trim and its compaction are done."""
-        running = self._trims.get(vm)
-        if running is not None and running.is_alive():
-            return False
+        """Start a bounded trim of `vm`'s guest in the background (see
+        GuestReclaimers.trim); False if one is still running."""
         machine = self._with_vm(vm, lambda m: m)
-
-        def run() -> None:
-            reply, why = trim.request_trim(machine.agent, max_bytes, TRIM_SECONDS)
-            if reply is None:
-                self.log(f"{vm}: trim of {format_size(max_bytes)} not done: {why}")
-                return
-            try:
-                got = guest_count(reply.get("reclaimed_bytes_trim", 0), "reclaimed_bytes_trim")
-                reclaimer, floor = Reclaimer.from_counters(reply), cache_floor_of(reply)
-            except BadGuestData as exc:
-                self._errors.append(f"{vm}: trim answer ignored: {exc}")
-                return
-            stop = str(reply.get("stop", "?"))[:40]
-            self.log(f"{vm}: trimmed {format_size(got)} (stopped: {stop})")
-            self._reclaimers[vm] = (time.monotonic(), reclaimer)
-            self._cache_floors[vm] = (time.monotonic(), floor)
-
-        thread = threading.Thread(target=run, name=f"trim-{vm}", daemon=True)
-        self._trims[vm] = thread
-        thread.start()
-        return True
+        return self.reclaimers.trim(vm, machine.agent, max_bytes)
 
     def close(self) -> None:
-        for thread in self._trims.values():
-            thread.join(timeout=TRIM_SECONDS + trim.COMPACT_SLACK)
-        self._trims.clear()
+        self.reclaimers.close()
         for vm in self._attached.values():
             vm.disconnect()
         self._attached.clear()
@@ -688,6 +576,21 @@ def parse_backing(xml: str) -> Backing:
     return Backing.ANONYMOUS
 
 
+def parse_reporting(xml: str) -> bool:
+    """Whether a domain's balloon reports free pages: libvirt's
+    `freePageReporting` attribute where the XML has one, else the machine
+    type's default (on in pc-q35-10.0-thinvm, QEMU 0026; off in QEMU's)."""
+    root = ET.fromstring(xml)
+    balloon = root.find("devices/memballoon")
+    if balloon is None or balloon.get("model", "virtio") == "none":
+        return False
+    setting = balloon.get("freePageReporting")
+    if setting is not None:
+        return setting == "on"
+    machine = root.find("os/type")
+    return machine is not None and (machine.get("machine") or "").endswith("-thinvm")
+
+
 def domain_identity(xml: str) -> str | None:
     """Which run of a domain a live domain XML is: its UUID (a domain
     defined anew has another) and its domain id (libvirt gives a domain a
@@ -752,6 +655,14 @@ class LibvirtBackend:
     is nothing at one cycle every few seconds.  libvirt (11.3) does not
     pass on Linux 6.12's stall and reclaim statistics, so with this
     backend the thinvm policy sees only free/available memory.
+
+    A domain with our agent's channel (`thinvm fleet xml` writes it:
+    `<channel type='unix'>`, target name org.thinvm.agent, the path left
+    to libvirt) has its guest reclaimer driven as thinvm's own VMs have:
+    background mode switched on, bounded trims under host pressure.  The
+    controller runs on the host, where libvirt's socket paths are valid;
+    `host_root` is where the host's / is for one that sees it elsewhere
+    (a container with the host's root mounted).
     """
 
     name = "libvirt"
@@ -762,14 +673,18 @@ class LibvirtBackend:
         stats_period: int = STATS_POLL_SECONDS,
         names: Sequence[str] = (),
         log: Callable[[str], None] = lambda _line: None,
+        host_root: Path = Path("/"),
     ) -> None:
         self.uri = uri
         self.log = log
         self._names = set(names)
         self.stats_period = stats_period
+        self.host_root = host_root
         self._period_set: set[str] = set()
         self._virtio_mem: dict[str, DomainVirtioMem] = {}
         self._errors: list[str] = []
+        self._agents: dict[str, AgentClient] = {}  # by domain, of its current run
+        self.reclaimers = GuestReclaimers(log, self._errors)
 
     def _virsh(self, *args: str) -> str:
         command = f"virsh {' '.join(args)}"
@@ -802,7 +717,10 @@ class LibvirtBackend:
     def sample(self) -> list[VmSample]:
         now = time.time()
         samples = []
-        for dom in self._domains():
+        domains = self._domains()
+        for gone in set(self._agents) - {dom.name for dom in domains}:
+            self._drop_agent(gone)
+        for dom in domains:
             try:
                 samples.append(self._sample_one(dom, now))
             except Exception as exc:
@@ -836,7 +754,41 @@ class LibvirtBackend:
             self._virtio_mem[dom.name] = vmem
         device = vmem.device if vmem else None
         backing, identity = parse_backing(xml), domain_identity(xml)
-        return domain_sample(dom, now, migrating, device, backing=backing, identity=identity)
+        sample = domain_sample(dom, now, migrating, device, backing=backing, identity=identity)
+        reporting = parse_reporting(xml)
+        agent = self._agent(dom.name, xml)
+        # As with thinvm's VMs: without reporting what the reclaimer frees
+        # stays with the guest, so the agent is left alone.
+        reclaimer = self.reclaimers.reclaimer(dom.name, agent) if agent and reporting else None
+        return replace(sample, reporting=reporting, reclaimer=reclaimer)
+
+    def _agent(self, name: str, xml: str) -> AgentClient | None:
+        """A client of the domain's agent channel, None without one.  A new
+        socket path (libvirt's per domain id) is a new run of the domain:
+        what its reclaimer said before does not hold."""
+        path = libvirt_agent_socket(xml)
+        if path is None:
+            self._drop_agent(name)
+            return None
+        seen = str(self.host_root / path.lstrip("/"))
+        client = self._agents.get(name)
+        if client is None or client.path != seen:
+            self._drop_agent(name)
+            client = AgentClient(seen, lock=channel_lock(seen))
+            self._agents[name] = client
+        return client
+
+    def _drop_agent(self, name: str) -> None:
+        client = self._agents.pop(name, None)
+        if client is not None:
+            client.close()
+        self.reclaimers.forget(name)
+
+    def _agent_of(self, vm: str) -> AgentClient:
+        client = self._agents.get(vm)
+        if client is None:
+            raise ThinvmError(f"{vm}: no {AGENT_PORT} channel in its domain XML (thinvm fleet xml)")
+        return client
 
     def rss(self) -> int:
         """The host RSS of the domains managed (libvirt's `balloon.rss`)."""
@@ -861,12 +813,12 @@ class LibvirtBackend:
         self._virsh("setmem", vm, str(size // KiB), "--live")  # KiB
 
     def set_reclaim(self, vm: str, on: bool) -> None:
-        # Samples carry no reclaimer (libvirt does not reach our agent), so
-        # the policy never asks; say so if something else does.
-        raise ThinvmError("the libvirt backend cannot reach the guest reclaimer")
+        self.reclaimers.set_background(vm, self._agent_of(vm), on)
 
     def trim(self, vm: str, max_bytes: int) -> bool:
-        raise ThinvmError("the libvirt backend cannot reach the guest reclaimer")
+        return self.reclaimers.trim(vm, self._agent_of(vm), max_bytes)
 
     def close(self) -> None:
-        pass
+        self.reclaimers.close()
+        for name in list(self._agents):
+            self._drop_agent(name)

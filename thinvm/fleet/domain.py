@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinvm.errors import ThinvmError
+from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import MiB
 from thinvm.vm.machine import (
     GUEST_CONSOLE_ARGS,
@@ -48,7 +49,6 @@ ET.register_namespace("qemu", QEMU_NS)
 THINVM_NS = "https://thinvm.invalid/xmlns/guest/1"
 ET.register_namespace("thinvm", THINVM_NS)
 
-AGENT_PORT = "org.thinvm.agent"
 # pc-q35-10.0 with page ranges and reporting on (QEMU 0026).  Plain "q35"
 # stays pc-q35-10.0 on thinvm-qemu too, which stock hosts also run.
 THINVM_MACHINE = "pc-q35-10.0-thinvm"

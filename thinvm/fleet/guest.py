@@ -15,8 +15,14 @@ from pathlib import Path
 from thinvm.errors import GuestError, ThinvmError
 from thinvm.fleet import emulator
 from thinvm.fleet.cluster import ClusterState, Host, machine_pid, virsh
-from thinvm.fleet.domain import AGENT_PORT, DomainSpec, domain_xml
-from thinvm.guest.agent import AgentClient, CommandResult
+from thinvm.fleet.domain import DomainSpec, domain_xml
+from thinvm.guest.agent import (
+    AGENT_PORT,
+    AgentClient,
+    CommandResult,
+    channel_lock,
+    libvirt_agent_socket,
+)
 from thinvm.guest.image import DiskImage, create_overlay, guest_info
 from thinvm.guest.trim import TrimResult, trim_guest
 from thinvm.host.memory import process_memory
@@ -93,19 +99,16 @@ def define(host: Host, spec: DomainSpec, image: DiskImage) -> str:
 
 def agent_socket(host: Host, name: str) -> Path:
     """Where libvirt put the agent port's socket, seen from outside."""
-    root = ET.fromstring(virsh(host, "dumpxml", name))
-    for channel in root.iter("channel"):
-        target = channel.find("target")
-        source = channel.find("source")
-        if target is not None and target.get("name") == AGENT_PORT and source is not None:
-            path = source.get("path")
-            if path:
-                return host.outside(path)
-    raise ThinvmError(f"{name} on {host.name} has no {AGENT_PORT} channel")
+    path = libvirt_agent_socket(virsh(host, "dumpxml", name))
+    if path is None:
+        raise ThinvmError(f"{name} on {host.name} has no {AGENT_PORT} channel")
+    return host.outside(path)
 
 
 def agent(host: Host, name: str) -> AgentClient:
-    return AgentClient(str(agent_socket(host, name)))
+    """A client that takes turns with the host's controller (channel_lock)."""
+    path = str(agent_socket(host, name))
+    return AgentClient(path, lock=channel_lock(path))
 
 
 def run_in_guest(host: Host, name: str, command: str, *, check: bool = True) -> CommandResult:

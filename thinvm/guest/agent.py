@@ -13,6 +13,7 @@ import shlex
 import socket
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,32 @@ SYNC_TIMEOUT = 30.0
 MAX_LINE = 4096
 MAX_JSON_REPLY = 1 << 20
 MAX_COMMAND_OUTPUT = 256 << 20  # each of stdout and stderr of one EXEC
+# The virtio-serial port's name, as thinvm-agent looks for it in the guest
+# (/dev/virtio-ports/org.thinvm.agent): the same with thinvm's own VMs and
+# with a libvirt domain's <channel type='unix'><target name=.../>.
+AGENT_PORT = "org.thinvm.agent"
+
+
+def libvirt_agent_socket(xml: str) -> str | None:
+    """Where libvirt put the agent port's socket, from a live domain XML
+    (`virsh dumpxml`); None if the domain has no such channel.  libvirt
+    picks the path itself (its channel directory, per domain id), as it
+    does for qemu-guest-agent."""
+    for channel in ET.fromstring(xml).iter("channel"):
+        target, source = channel.find("target"), channel.find("source")
+        if target is not None and target.get("name") == AGENT_PORT and source is not None:
+            path = source.get("path")
+            if path:
+                return path
+    return None
+
+
+def channel_lock(socket_path: str) -> Path:
+    """The lock every client of a libvirt domain's agent takes its turns
+    under (AgentClient): beside the socket, in the domain's own channel
+    directory, so it goes when the domain does and clients on the host
+    (the balance controller, `thinvm fleet`) agree on it."""
+    return Path(socket_path + ".lock")
 
 
 @dataclass(frozen=True)

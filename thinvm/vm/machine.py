@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from thinvm.errors import ThinvmError
-from thinvm.guest.agent import AgentClient
+from thinvm.guest.agent import AGENT_PORT, AgentClient
 from thinvm.guest.image import (
     GuestImage,
     create_overlay,
@@ -45,7 +45,7 @@ from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
 
-AGENT_PORT_NAME = "org.thinvm.agent"
+AGENT_PORT_NAME = AGENT_PORT
 # The range balloon stays experimental in QEMU ("x-") until the virtio
 # specification reserves its feature bit.
 BALLOON_RANGES_PROPERTY = "x-ranges"
