@@ -285,6 +285,11 @@ def test_libvirt_backend_reaches_the_reclaimer_through_the_domains_agent_channel
 
     backend.reclaimers.reclaimer = reclaimer  # type: ignore[method-assign]
     (sample,) = backend.sample()
+    assert sample.reclaimer is None and asked == []  # no socket there: the balloon only
+    for run in ("7-web", "8-web"):
+        (tmp_path / "run/libvirt/qemu/channel" / run).mkdir(parents=True)
+        (tmp_path / "run/libvirt/qemu/channel" / run / AGENT_PORT).touch()
+    (sample,) = backend.sample()
     socket = str(tmp_path / "run/libvirt/qemu/channel/7-web" / AGENT_PORT)
     assert sample.reporting and sample.reclaimer is not None and asked == [socket]
     assert backend._agent_of("web")._lock.path == Path(socket + ".lock")  # type: ignore[union-attr]

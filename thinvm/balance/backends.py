@@ -771,6 +771,11 @@ class LibvirtBackend:
             self._drop_agent(name)
             return None
         seen = str(self.host_root / path.lstrip("/"))
+        if not Path(seen).exists():
+            # Not there (yet): the domain is starting, or this controller
+            # does not see the host's paths (host_root).  The balloon only.
+            self._drop_agent(name)
+            return None
         client = self._agents.get(name)
         if client is None or client.path != seen:
             self._drop_agent(name)
