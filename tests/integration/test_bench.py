@@ -4,6 +4,7 @@ Checks the files and the arithmetic, never the speed.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from thinvm.bench import cpu as bench_cpu
 from thinvm.bench import results as bench_results
 from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
+from thinvm.bench.scenarios.transport import Transport, side_cpus
 from thinvm.bench.types import BenchOptions
 from thinvm.progress import ProgressLine
 from thinvm.testing.keptboot import KeptBootVM
@@ -125,6 +127,26 @@ def test_migrate_idle_thinvm_against_stock_best(tmp_path: Path) -> None:
     assert target["ratio"] == pytest.approx(
         thinvm["migration_ms"]["median"] / best["migration_ms"]["median"]
     )
+    # Each side on CPUs of its own, as on two hosts, and the record says so.
+    sides = side_cpus()
+    assert sides is not None, "this machine has one CPU: nothing to pin apart"
+    expected = {"pinned": True, "source": sides[0], "destination": sides[1]}
+    assert all(r["info"]["placement"] == expected for r in data["runs"]), data["runs"][0]["info"]
+
+
+def test_the_two_sides_of_a_migration_run_on_cpus_of_their_own() -> None:
+    """Every thread of the source QEMU (the guest's vCPU with it) runs on
+    the source's CPUs, every thread of the destination on the others."""
+    transport = Transport("loopback", vm_class=KeptBootVM)
+    assert transport.sides is not None
+    config = BenchOptions().vm_config("pinned", 256 * MiB)
+    with transport.start(config) as src, transport.start(config, incoming=True) as dst:
+        for vm, cpus in ((src, transport.sides[0]), (dst, transport.sides[1])):
+            threads = list(Path(f"/proc/{vm.pid}/task").iterdir())
+            assert len(threads) > 2, threads  # QEMU's own, the vCPU among them
+            placed = {int(t.name): sorted(os.sched_getaffinity(int(t.name))) for t in threads}
+            assert all(allowed == cpus for allowed in placed.values()), (cpus, placed)
+    assert Transport("loopback", pin=False).placement()["pinned"] is False
 
 
 def test_migrate_working_set_trims_before_it_migrates(tmp_path: Path) -> None:

@@ -863,3 +863,12 @@ def test_one_vm_config_for_every_benchmark_guest() -> None:
     assert stacked.balloon == THINVM.balloon()
     with pytest.raises(ValueError):
         opts.vm_config("g", 1 * GiB, THINVM, reporting=True)
+
+
+def test_the_sides_of_a_migration_split_the_cpus_in_two() -> None:
+    from thinvm.bench.scenarios.transport import side_cpus
+
+    assert side_cpus({0}) is None
+    assert side_cpus({0, 1}) == ([0], [1])
+    assert side_cpus({0, 1, 2, 3}) == ([0, 1], [2, 3])
+    assert side_cpus({1, 2, 5}) == ([1], [2, 5])

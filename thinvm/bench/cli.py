@@ -22,6 +22,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         net=args.net,
         quiet_load=args.quiet_load,
         quiet_wait=args.quiet_wait,
+        pin_sides=not args.unpinned,
     )
     return runner.main(
         args.scenario,
@@ -52,6 +53,12 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--accel", default="auto", help="auto, tcg or kvm")
     p.add_argument("--counter", default="auto", help="discard counter: auto, perf, strace")
     p.add_argument("--net", default="loopback", help="migrations over: loopback or veth")
+    p.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="let a migration's source and destination share every CPU "
+        "(default: each on CPUs of its own, as on two hosts)",
+    )
     p.add_argument("--results", help="results directory (default bench/results)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     p.add_argument(

@@ -409,6 +409,13 @@ How to read the tables:
   `multifd-channels` 2 on both sides, for every variant alike (only the
   multifd variants use the channels); the downtime limit is QEMU's
   default (300 ms) unless a scenario's parameters say otherwise.
+- Since 2026-11-28 the source QEMU (the guest's vCPUs with it) and the
+  destination QEMU of a migration run on CPUs of their own (each process's
+  affinity, one CPU each on this 2-CPU machine), standing for two hosts,
+  so that a CPU-bound side cannot starve the other; each run records the
+  placement (`info.placement`). `thinvm bench --unpinned` lets them share
+  the CPUs, as every record before that date did: compare a pinned record
+  with an unpinned one only as a change of rules.
 
 ## How results are measured
 

@@ -180,6 +180,9 @@ class BenchOptions:
     # users boot it; the test suite passes its KeptBootVM (thinvm.testing),
     # which only checks that the scenarios run, not what they measure.
     vm_class: type[VM] = VM
+    # Migrations: the source (its guest's vCPUs with it) and the destination
+    # on CPUs of their own (Transport, side_cpus), standing for two hosts.
+    pin_sides: bool = True
 
     def vm_config(
         self,

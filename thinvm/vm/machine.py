@@ -20,7 +20,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -139,6 +139,10 @@ class VMConfig:
     # A memory cgroup directory (v1 or v2) QEMU runs in from its first
     # instruction, so every page it ever touches is charged there.
     memory_cgroup: str | None = None
+    # The CPUs QEMU runs on, every thread of it (its affinity, set before
+    # exec, is inherited); empty: any.  A benchmark puts the source and the
+    # destination of a migration on CPUs of their own, as two hosts would.
+    host_cpus: list[int] = field(default_factory=list)
     # A warm pool directory (thinvm.pool): RAM comes from one of its
     # pre-zeroed slots, or, when none fits, is preallocated as usual.
     pool: str | None = None
@@ -231,10 +235,12 @@ def disk_image(kernel: str) -> tuple[GuestImage, Path]:
     return GuestImage(image.vmlinuz, image.initrd, meta), image.disk
 
 
-def _child_setup(die_with_parent: bool, cgroup: str | None) -> None:
-    """preexec_fn: join the cgroup; die if the Python process dies."""
+def _child_setup(die_with_parent: bool, cgroup: str | None, host_cpus: Sequence[int] = ()) -> None:
+    """preexec_fn: join the cgroup; run on `host_cpus`; die if the Python process dies."""
     if cgroup is not None:
         Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    if host_cpus:
+        os.sched_setaffinity(0, host_cpus)
     if die_with_parent:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -552,6 +558,12 @@ class VM:
             self.pool_lease = None
 
     def _spawn(self) -> None:
+        outside = set(self.config.host_cpus) - os.sched_getaffinity(0)
+        if outside:
+            raise ThinvmError(
+                f"cannot run {self.config.name} on CPUs {sorted(outside)}: this process "
+                f"may use {sorted(os.sched_getaffinity(0))} only"
+            )
         log = open(self.qemu_log, "wb")  # noqa: SIM115 - handed to the child
         try:
             self.process = subprocess.Popen(
@@ -561,7 +573,10 @@ class VM:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=functools.partial(
-                    _child_setup, not self.detached, self.config.memory_cgroup
+                    _child_setup,
+                    not self.detached,
+                    self.config.memory_cgroup,
+                    self.config.host_cpus,
                 ),
             )
         finally:

@@ -19,7 +19,7 @@ from thinvm.vm.stack import STOCK_BEST, Stack
 
 def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     small = size // 8
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
 
     def variant(
         ballooned: bool, stack: Stack, extra: dict[str, Any] | None = None

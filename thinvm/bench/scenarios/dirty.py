@@ -46,7 +46,7 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
     # QEMU stops the guest once it expects to send the rest within this
     # budget, so downtimes are only comparable at the same limit.
     limit = {"downtime-limit": int_param(params, "downtime_limit_ms")}
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
 
     def variant(
         migrating: bool, stack: Stack, extra: dict[str, Any] | None = None

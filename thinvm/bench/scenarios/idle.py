@@ -72,7 +72,7 @@ def make_migrate_idle(opts: BenchOptions, params: dict[str, str], size: int) -> 
     idle = float_param(params, "idle")
     fraction = used_fraction(params)
     used = int(size * fraction) // MiB * MiB
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
 
     def make(c: Candidate) -> Callable[[RunContext], Metrics]:
         return idle_migration(opts, size, c.stack, transport, idle, used, c.params)
@@ -137,8 +137,8 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     rate = params["rate"]
     used = used_bytes(params, size)
     loopback, veth = (
-        Transport("loopback", vm_class=opts.vm_class),
-        Transport("veth", rate, vm_class=opts.vm_class),
+        Transport("loopback", vm_class=opts.vm_class, pin=opts.pin_sides),
+        Transport("veth", rate, vm_class=opts.vm_class, pin=opts.pin_sides),
     )
     variants: list[Variant] = []
     best: list[Best] = []

@@ -70,7 +70,7 @@ def make_migrate_postcopy(opts: BenchOptions, params: dict[str, str], size: int)
     idle = float_param(params, "idle")
     used = used_bytes(params, size)
     # Over loopback only: what postcopy changes does not depend on the link.
-    transport = Transport("loopback", vm_class=opts.vm_class)
+    transport = Transport("loopback", vm_class=opts.vm_class, pin=opts.pin_sides)
 
     def variant(stack: Stack, postcopy: bool) -> Callable[[RunContext], Metrics]:
         caps = {**stack.caps, **(POSTCOPY if postcopy else {})}

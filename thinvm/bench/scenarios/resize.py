@@ -145,7 +145,7 @@ def make_resize(opts: BenchOptions, params: dict[str, str], size: int) -> Scenar
             f"--param small={format_size(small)}: want a multiple of 128 MiB below the "
             f"guest's {format_size(size)}"
         )
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
     timeout = 120 + 60 * size / GiB
 
     def variant(lever: Lever) -> Callable[[RunContext], Metrics]:

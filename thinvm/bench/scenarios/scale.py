@@ -104,7 +104,7 @@ def fresh_guest_migration(
 def make_migrate_scale(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = float_param(params, "idle")
     used, smallest = size_param(params, "used"), size_param(params, "from")
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
 
     def variant(memory: int, c: Candidate) -> Callable[[RunContext], Metrics]:
         return fresh_guest_migration(
@@ -227,7 +227,7 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
     if compression == "none":
         raise ThinvmError("--param compression=none: name the method to compare with none")
     rate = params["rate"]
-    transport = Transport(opts.net, rate, vm_class=opts.vm_class)
+    transport = Transport(opts.net, rate, vm_class=opts.vm_class, pin=opts.pin_sides)
     link = link_name(cap) if cap else None
     # Where the uncapped rows migrate: loopback is as fast as the CPUs.
     uncapped = f"over a {rate} veth link" if opts.net == "veth" else "uncapped over loopback"

@@ -3,7 +3,7 @@
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from thinvm.bench.cpu import MigrationCpu
@@ -74,6 +74,18 @@ def progress_sample(info: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
+def side_cpus(allowed: set[int] | None = None) -> tuple[list[int], list[int]] | None:
+    """The CPUs of the source side (its QEMU, the guest's vCPUs with it)
+    and of the destination: the CPUs this process may use, split in two
+    halves, so that neither side of a migration can starve the other, as
+    on two hosts.  None with a single CPU: nothing to split."""
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
 class Transport:
     """Where the source and destination QEMU run and how they connect.
 
@@ -83,7 +95,12 @@ class Transport:
     """
 
     def __init__(
-        self, kind: str = "loopback", rate: str = "10gbit", *, vm_class: type[VM] = VM
+        self,
+        kind: str = "loopback",
+        rate: str = "10gbit",
+        *,
+        vm_class: type[VM] = VM,
+        pin: bool = True,
     ) -> None:
         if kind not in ("loopback", "veth"):
             raise ThinvmError(f"unknown --net {kind!r}: choose loopback or veth")
@@ -91,6 +108,14 @@ class Transport:
         self.rate = rate
         self.vm_class = vm_class
         self.link: VethLink | None = None
+        self.sides = side_cpus() if pin else None
+
+    def placement(self) -> dict[str, Any]:
+        """Where the two sides ran, for the record."""
+        if self.sides is None:
+            return {"pinned": False, "cpus": sorted(os.sched_getaffinity(0))}
+        source, destination = self.sides
+        return {"pinned": True, "source": source, "destination": destination}
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -112,6 +137,8 @@ class Transport:
         return self.link.dst_ns if incoming else self.link.src_ns
 
     def start(self, config: VMConfig, *, incoming: bool = False) -> VM:
+        if self.sides is not None:
+            config = replace(config, host_cpus=self.sides[1] if incoming else self.sides[0])
         with in_netns(self._netns(incoming)):
             return self.vm_class(config, incoming=incoming).start()
 
@@ -134,6 +161,7 @@ class Transport:
         """
         timeline: list[dict[str, Any]] = []
         ctx.note("timeline", timeline)
+        ctx.note("placement", self.placement())
 
         def progress(info: dict[str, Any]) -> None:
             ctx.step(migrate.describe_progress(info))

@@ -366,7 +366,7 @@ def working_set_migration(
 def make_migrate_working_set(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     kind = guest_kind(params)
     plan = make_plan(params, size)
-    transport = Transport(opts.net, vm_class=opts.vm_class)
+    transport = Transport(opts.net, vm_class=opts.vm_class, pin=opts.pin_sides)
     disk = DataDisk(plan.data, kind)
 
     def maker(prepare: Prepare | None) -> Callable[[Candidate], Callable[[RunContext], Metrics]]:
