@@ -45,7 +45,6 @@ from thinvm.qemu.builds import QemuBuild, find_build
 from thinvm.qemu.monitor import Monitor
 from thinvm.units import GiB, MiB, format_size
 
-AGENT_PORT_NAME = AGENT_PORT
 # The range balloon stays experimental in QEMU ("x-") until the virtio
 # specification reserves its feature bit.
 BALLOON_RANGES_PROPERTY = "x-ranges"
@@ -475,7 +474,7 @@ class VM:
             "-chardev",
             f"socket,id=agent0,path={self.agent_socket},server=on,wait=off",
             "-device",
-            f"virtserialport,chardev=agent0,name={AGENT_PORT_NAME}",
+            f"virtserialport,chardev=agent0,name={AGENT_PORT}",
             *self._balloon_args(),
             *self._virtio_mem_args(),
             "-pidfile",
