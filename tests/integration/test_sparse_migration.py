@@ -355,6 +355,37 @@ def test_stock_destination_loads_a_sparse_multifd_stream(
     assert_identical_memory(src, dst, tmp_path)
 
 
+def test_stock_destination_loads_a_main_channel_stream_left_sparse(
+    make_vm: VMFactory, tmp_path: Path
+) -> None:
+    """thinvm host -> stock QEMU on the main channel, no capability (0031).
+
+    With x-sparse-ram-main (on in pc-q35-10.0-thinvm) the source leaves
+    out what it holds nothing for, ballooned pages included, on the plain
+    main channel that `virsh migrate` without --parallel uses.  A stock
+    destination keeps what its RAM holds until a page arrives, so this is
+    right only where its fresh RAM reads as zero: RAM compared byte for
+    byte, guest paused.  (Pages the destination's machine writes while it
+    is built: qtest implied/main/built-pages.)
+    """
+    main = ["-global", "migration.x-sparse-ram-main=on"]
+    config = patched("sparse-main-to-stock", memory=1 * GiB, extra_args=main)
+    src = make_vm(config)
+    workload.pattern_write(src.agent, 64 * MiB, seed=61)
+    workload.touch(src.agent, 256 * MiB)  # populated, then freed: must travel
+    inflate = 256 * MiB
+    balloon.set_target(src, config.memory - inflate)
+    balloon.wait_actual(src, config.memory - inflate)
+    src.qmp("stop")
+    plain = VMConfig.from_json({**config.to_json(), "extra_args": ["-S"], "build": "stock"})
+    dst = make_vm(plain, incoming=True)
+    uri = migrate.start_incoming(dst, migrate.free_port())
+    result = migrate.migrate_to_uri(src, uri, caps={}, params=migrate.UNCAPPED)
+    migrate.wait_destination_status(dst, "paused")
+    assert result.sparse_skipped >= inflate // PAGE, result
+    assert_identical_memory(src, dst, tmp_path)
+
+
 def save_to_file(vm: VM, path: Path, caps: dict[str, bool]) -> tuple[float, dict[str, object]]:
     """Save the (paused) guest to `path` with `caps`; return seconds and query-migrate."""
     migrate.set_capabilities(vm, caps)
