@@ -9,6 +9,9 @@
 #                        for the balance controller and the warm pool
 #   thinvm-guest-agent   the guest agent and reclaimer, for Debian guests
 #   thinvm-balloon-dkms  our balloon driver as DKMS source (guest/balloon)
+#   thinvm-qemu-default  opt-in: diverts Debian's /usr/bin/qemu-system-x86_64
+#                        and links thinvm-qemu's emulator in its place, for
+#                        tooling that cannot name an emulator (Nova)
 #
 # QEMU is not built here: thinvm-qemu packages the existing patched build
 # ($THINVM_CACHE/qemu/patched) and refuses one that is not of the current
@@ -31,7 +34,7 @@ top=$(dirname "$here")
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 venv=${THINVM_VENV:-$cache/venv}
 repo=$cache/apt-repo
-all=(thinvm-qemu thinvm thinvm-guest-agent thinvm-balloon-dkms)
+all=(thinvm-qemu thinvm thinvm-guest-agent thinvm-balloon-dkms thinvm-qemu-default)
 # DKMS module name and version (dkms.conf), for the DKMS package's scripts.
 dkms_name="" dkms_version=""
 
@@ -154,7 +157,7 @@ assemble() {
 		-e "s|@SIZE@|$size|" -e "s|@MAINTAINER@|$maintainer|" \
 		"$here/$pkg/control" >"$root/DEBIAN/control"
 	local f
-	for f in postinst prerm postrm; do
+	for f in preinst postinst prerm postrm; do
 		if [ -f "$here/$pkg/$f" ]; then
 			sed -e "s|@DKMS_NAME@|$dkms_name|g" -e "s|@DKMS_VERSION@|$dkms_version|g" \
 				"$here/$pkg/$f" >"$root/DEBIAN/$f"
@@ -253,6 +256,28 @@ build_thinvm_qemu() {
 	install -m 0644 "$here/$pkg/README.Debian" "$root/usr/share/doc/$pkg/README.Debian"
 	assemble "$stage" "$pkg" "$version" "$epoch" \
 		"$(shlibs "$stage" "$pkg" "${lib#/}/bin/qemu-system-x86_64")"
+	publish "$pkg" "$hash" "$deb"
+}
+
+# The opt-in: a link where Debian's emulator was, the diversion done by
+# its maintainer scripts.  Nothing but the link and the docs.
+build_qemu_default() {
+	local pkg=thinvm-qemu-default stage hash
+	hash=$(inputs_hash "" "$here/$pkg" "$here/copyright" "$here/build-debs.sh")
+	if cached "$pkg" "$hash"; then
+		return
+	fi
+	log "building $pkg"
+	local version epoch
+	version=0.1+$(commits packaging/$pkg).$hash
+	epoch=$(commit_time packaging/$pkg)
+	stage=$work/$pkg
+	mkdir -p "$stage/debian"
+	local root=$stage/debian/$pkg
+	mkdir -p "$root/usr/bin" "$root/usr/share/doc/$pkg"
+	ln -s ../lib/thinvm-qemu/bin/qemu-system-x86_64 "$root/usr/bin/qemu-system-x86_64"
+	install -m 0644 "$here/$pkg/README.Debian" "$root/usr/share/doc/$pkg/README.Debian"
+	assemble "$stage" "$pkg" "$version" "$epoch" "thinvm-qemu"
 	publish "$pkg" "$hash" "$deb"
 }
 
@@ -416,6 +441,7 @@ for p in "${wanted[@]}"; do
 	thinvm) build_thinvm ;;
 	thinvm-guest-agent) build_guest_agent ;;
 	thinvm-balloon-dkms) build_balloon_dkms ;;
+	thinvm-qemu-default) build_qemu_default ;;
 	esac
 done
 if [ "$changed" = 1 ] || [ ! -f "$repo/Release" ]; then

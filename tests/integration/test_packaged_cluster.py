@@ -139,11 +139,18 @@ def boot_id(h: Host, name: str) -> str:
     return in_guest(h, name, "cat /proc/sys/kernel/random/boot_id").strip()
 
 
-def start(state: ClusterState, image: guest_image.DiskImage, name: str, host: str) -> Host:
+def start(
+    state: ClusterState,
+    image: guest_image.DiskImage,
+    name: str,
+    host: str,
+    binary: Path | None = None,
+) -> Host:
     """A portable guest in operator-style XML: no qemu: namespace at all
-    (no page ranges, no hinting override, no sparse-ram argument)."""
+    (no page ranges, no hinting override, no sparse-ram argument), on
+    `binary` or the emulator the host's libvirt offers."""
     h = state.host(host)
-    binary = emulator.packaged_emulator(h.uri)
+    binary = binary or emulator.packaged_emulator(h.uri)
     spec = guest.spec_for(
         guest.GuestSpec(name, memory=MEMORY, portable=True, hint=False),
         image,
@@ -404,6 +411,53 @@ def test_operator_xml_guest_on_upgraded_hosts(
         verify(h2, name, 41)
     finally:
         remove(packaged, name)
+
+
+OPT_IN = "thinvm-qemu-default"
+
+
+def diversions(state: ClusterState, host: str) -> str:
+    argv = ["dpkg-divert", "--list", str(emulator.PACKAGED_STOCK)]
+    return cluster.host_run(state, host, argv).stdout.strip()
+
+
+def test_host_wide_opt_in_runs_thinvm_qemu_at_debians_path(
+    packaged: ClusterState, image: guest_image.DiskImage
+) -> None:
+    """For tooling that writes Debian's emulator path into every domain
+    (Nova): installed, thinvm-qemu-default diverts Debian's
+    /usr/bin/qemu-system-x86_64 and a domain naming that path runs
+    thinvm-qemu; purged, the same domain runs Debian's QEMU again and no
+    diversion is left."""
+    name = "optin"
+    h = packaged.host("h3")
+    had_thinvm = cluster.host_flavour(h) == "patched"
+    debian_path = h.rootfs / str(emulator.PACKAGED_STOCK).lstrip("/")
+    diverted = debian_path.with_name(debian_path.name + ".debian")
+    try:
+        cluster.host_apt(packaged, "h3", "install", "--no-install-recommends", OPT_IN)
+        assert os.readlink(debian_path) == "../lib/thinvm-qemu/bin/qemu-system-x86_64"
+        assert diverted.is_file() and not diverted.is_symlink()
+        assert f"by {OPT_IN}" in diversions(packaged, "h3")
+        start(packaged, image, name, "h3", binary=emulator.PACKAGED_STOCK)
+        assert f"<emulator>{STOCK}</emulator>" in virsh(h, "dumpxml", name)
+        assert qemu_of(h, name) == (THINVM, cluster.QEMU_USER)
+        in_guest(h, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 51")
+        verify(h, name, 51)
+        remove(packaged, name)
+
+        packages = [OPT_IN] if had_thinvm else [OPT_IN, "thinvm-qemu"]
+        cluster.host_apt(packaged, "h3", "purge", *packages)
+        assert debian_path.is_file() and not debian_path.is_symlink()
+        assert not diverted.exists() and diversions(packaged, "h3") == ""
+        owner = cluster.host_run(packaged, "h3", ["dpkg-query", "-S", str(emulator.PACKAGED_STOCK)])
+        assert owner.stdout.startswith("qemu-system-x86:"), owner.stdout
+        start(packaged, image, name, "h3", binary=emulator.PACKAGED_STOCK)
+        assert qemu_of(h, name) == (STOCK, cluster.QEMU_USER)
+    finally:
+        remove(packaged, name)
+        with contextlib.suppress(ThinvmError):
+            cluster.host_apt(packaged, "h3", "purge", OPT_IN)
 
 
 def guest_cgroups_hold(h: Host, name: str) -> None:
