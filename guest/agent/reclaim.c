@@ -46,11 +46,14 @@
 #define FLOOR_MARGIN_DIV	64	/* active file + 1/64 of MemTotal */
 #define STEP_MIN		(4 * MiB)
 
-/* Background: 1% of memory per step, at most a 5% CPU duty cycle. */
+/*
+ * Background: 1% of memory per step, at most a 2% CPU duty cycle, so
+ * that a guest that reads files all the time pays at most 2% of a vCPU.
+ */
 #define BG_STEP_DIV		100
 #define BG_TICK_MS		1000
 #define BG_IDLE_MS		5000	/* nothing to take: look again later */
-#define BG_DUTY_PCT		5
+#define BG_DUTY_PCT		2
 #define BG_BACKOFF_MIN_MS	5000
 #define BG_BACKOFF_MAX_MS	60000
 #define BG_COMPACT_EVERY	(64 * MiB)

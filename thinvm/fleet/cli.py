@@ -114,6 +114,17 @@ def cmd_trim(args: argparse.Namespace) -> int:
     return trim_report(result, args.name, args.json)
 
 
+def cmd_reclaim(args: argparse.Namespace) -> int:
+    state = cluster.load_state()
+    host = guest.find_guest(state, args.name)
+    counters = guest.set_reclaim(host, args.name, args.mode == "on")
+    if args.json:
+        print(json.dumps(counters))
+    else:
+        print(f"{args.name}: background reclaim {args.mode}")
+    return 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     state = cluster.load_state()
     source = guest.find_guest(state, args.name)
@@ -325,6 +336,14 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--timeout", type=seconds, default=30.0, help="seconds the guest may reclaim")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_trim)
+
+    p = fsub.add_parser(
+        "reclaim", help="switch a cluster guest's background reclaim of cold cache on or off"
+    )
+    p.add_argument("name")
+    p.add_argument("mode", choices=("on", "off"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_reclaim)
 
     p = fsub.add_parser("counters", help="thinvm counters and balloon stats of a guest")
     p.add_argument("name")

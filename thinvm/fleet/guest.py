@@ -24,7 +24,7 @@ from thinvm.guest.agent import (
     libvirt_agent_socket,
 )
 from thinvm.guest.image import DiskImage, create_overlay, guest_info
-from thinvm.guest.trim import TrimResult, trim_guest
+from thinvm.guest.trim import TrimResult, set_background, trim_guest
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB
 
@@ -136,6 +136,19 @@ def reporting_on(host: Host, name: str) -> bool:
     root = ET.fromstring(virsh(host, "dumpxml", name))
     balloon = root.find("./devices/memballoon")
     return balloon is not None and balloon.get("freePageReporting") == "on"
+
+
+def set_reclaim(host: Host, name: str, background: bool) -> dict[str, object]:
+    """Switch the guest reclaimer's background mode; its counters after.
+    The packaged agent starts with it on (/etc/default/thinvm-agent)."""
+    client = agent(host, name)
+    try:
+        counters = set_background(client, background)
+    finally:
+        client.close()
+    if counters is None:
+        raise ThinvmError(f"{name} on {host.name}: the guest's agent has no reclaimer")
+    return counters
 
 
 def trim(host: Host, name: str, max_bytes: int = 0, timeout: float = 30.0) -> TrimResult:

@@ -47,6 +47,7 @@ from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import DomainSpec
 from thinvm.guest import image as guest_image
+from thinvm.guest.trim import set_background
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
@@ -264,6 +265,10 @@ def _prepare_guest(ctx: RunContext, src: Host, used: int, plan: FleetRun) -> Non
     try:
         if plan.stack.driver == "stock":
             guest.use_intree_driver(client)
+        # The packaged agent reclaims in the background by default; no
+        # variant here asks for it, so none runs it (the records before
+        # the default changed did not either).
+        set_background(client, False)
         ctx.note("guest", guest_image.guest_info(client))
         ctx.step(f"guest writes a {format_size(used)} pattern, touches and frees the rest")
         client.check(f"thinvm-mem pattern write {PATTERN} {used // MiB} --seed {SEED}")

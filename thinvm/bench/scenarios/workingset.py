@@ -345,6 +345,10 @@ def working_set_migration(
         config.extra_args += disk.args()
         with transport.start(config) as src:
             ctx.note("boot_s", src.boot_seconds)
+            if disk.kind == "debian":
+                # The packaged agent reclaims in the background by default;
+                # the variants here trim, drop caches or do nothing.
+                trim.set_background(src.agent, False)
             metrics = load_working_set(ctx, src, plan, disk.source)
             if stack.reporting:
                 ctx.step("waiting for free page reporting to settle")
