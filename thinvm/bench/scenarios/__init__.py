@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from thinvm.bench.report import CatalogueEntry
 from thinvm.bench.scenarios import fleet as fleet_bench
-from thinvm.bench.scenarios import overcommit, resize, workingset
+from thinvm.bench.scenarios import overcommit, resize, steady, workingset
 from thinvm.bench.scenarios.ballooned import make_migrate_ballooned
 from thinvm.bench.scenarios.density import make_density, make_density_budget
 from thinvm.bench.scenarios.dirty import make_migrate_dirty
@@ -155,6 +155,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {
         ScenarioSpec(**overcommit.SPEC),
         ScenarioSpec(**fleet_bench.SPEC),
         ScenarioSpec(**workingset.SPEC),
+        ScenarioSpec(**steady.SPEC),
         ScenarioSpec(**resize.SPEC),
         ScenarioSpec(
             "migrate-postcopy",

@@ -1,0 +1,211 @@
+"""reclaim-steady: does an idle guest that read a data set once stay trimmed?
+
+A Debian guest (the disk image with thinvm-guest-agent as packaged) reads
+a data set from a second disk once, then idles; the host samples its
+QEMU's RSS for a fixed window.  Variants differ in the guest reclaimer's
+background mode, which the packaged agent turns on by default, and in
+the QEMU and balloon driver under it:
+
+- stock-reporting: Debian's QEMU, the in-tree driver, free page
+  reporting; the reclaimer switched off (what stock gives);
+- stock-reclaimer: the same with the reclaimer on (our guest side alone,
+  on stock QEMU: the anchor thinvm's host side must beat);
+- thinvm: the patched QEMU, our driver with page ranges, reporting, the
+  reclaimer on.
+
+The reclaimer's own CPU time comes from its counters (`RECLAIM status`,
+`cpu_ms`, the thread's clock), and is given as a share of one vCPU over
+the window (the package's bound is 2%).
+"""
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from thinvm.bench.scenarios.common import Candidate
+from thinvm.bench.scenarios.params import float_param, size_param
+from thinvm.bench.scenarios.workingset import DEBIAN_BOOT_TIMEOUT, DataDisk, mount_command
+from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
+from thinvm.errors import ThinvmError
+from thinvm.guest import trim, workload
+from thinvm.units import MiB, format_size
+from thinvm.vm.machine import VM
+from thinvm.vm.stack import Stack
+
+NAME = "reclaim-steady"
+SAMPLE_SECONDS = 10.0
+# RSS within this much of the window's last sample counts as settled.
+SETTLED_WITHIN = 64 * MiB
+
+
+def _variants() -> list[tuple[Candidate, bool]]:
+    stock = Stack(reporting=True)
+    thinvm = Stack(build="patched", driver="thinvm", reporting=True, ranges=True)
+    return [
+        (Candidate("stock-reporting", stock, "Debian's QEMU, in-tree driver, reporting"), False),
+        (
+            Candidate(
+                "stock-reclaimer", stock, "Debian's QEMU, in-tree driver, reporting, reclaimer on"
+            ),
+            True,
+        ),
+        (
+            Candidate(
+                "thinvm", thinvm, "patched QEMU, our driver (ranges), reporting, reclaimer on"
+            ),
+            True,
+        ),
+    ]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system time of a process so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime, stime in clock ticks (USER_HZ)
+
+
+def reclaimer_cpu_ms(vm: VM) -> int:
+    status = trim.reclaimer_status(vm.agent)
+    if status is None:
+        raise ThinvmError("the guest's agent has no reclaimer")
+    return int(status["cpu_ms"])
+
+
+def sample_rss(vm: VM, seconds: float, ctx: RunContext) -> list[tuple[float, int]]:
+    """(seconds since the window opened, QEMU RSS) every SAMPLE_SECONDS."""
+    samples: list[tuple[float, int]] = []
+    start = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - start
+        rss = vm.host_memory().rss
+        samples.append((round(elapsed, 1), rss))
+        ctx.step(f"idle {elapsed:.0f}/{seconds:.0f} s, host RSS {format_size(rss)}")
+        if elapsed >= seconds:
+            return samples
+        time.sleep(min(SAMPLE_SECONDS, seconds - elapsed))
+
+
+def window_figures(samples: list[tuple[float, int]]) -> Metrics:
+    """Last, time-weighted mean and peak RSS of a window, and when it settled
+    (the first sample from which RSS stays within SETTLED_WITHIN of the last)."""
+    last = samples[-1][1]
+    weighted = sum((t1 - t0) * (r0 + r1) / 2 for (t0, r0), (t1, r1) in itertools.pairwise(samples))
+    span = samples[-1][0] - samples[0][0]
+    settled = samples[0][0]
+    for i in range(len(samples) - 1, -1, -1):
+        if abs(samples[i][1] - last) > SETTLED_WITHIN:
+            settled = samples[i + 1][0]
+            break
+    return {
+        "rss_end_bytes": last,
+        "rss_mean_bytes": int(weighted / span) if span > 0 else last,
+        "rss_peak_bytes": max(r for _, r in samples),
+        "settled_s": settled,
+    }
+
+
+def steady_run(
+    opts: BenchOptions,
+    size: int,
+    data: int,
+    minutes: float,
+    candidate: Candidate,
+    background: bool,
+    disk: DataDisk,
+) -> Callable[[RunContext], Metrics]:
+    def run(ctx: RunContext) -> Metrics:
+        config = opts.vm_config("b-steady", size, candidate.stack)
+        config.image, config.boot_timeout = "disk", DEBIAN_BOOT_TIMEOUT
+        config.extra_args += disk.args()
+        with VM(config).start() as vm:
+            assert vm.pid is not None
+            ctx.note("boot_s", vm.boot_seconds)
+            trim.set_background(vm.agent, background)
+            vm.agent.check(mount_command(disk.source))
+            ctx.step(f"guest reads its {format_size(data)} data set once")
+            vm.agent.check(workload.read_disk_command(data, source=disk.source.path), timeout=600)
+            cached = workload.meminfo(vm.agent)["Cached"]
+            qemu_cpu, agent_ms = process_cpu_seconds(vm.pid), reclaimer_cpu_ms(vm)
+            window = minutes * 60
+            samples = sample_rss(vm, window, ctx)
+            qemu_cpu = process_cpu_seconds(vm.pid) - qemu_cpu
+            agent_ms = reclaimer_cpu_ms(vm) - agent_ms
+            ctx.note("rss_samples", samples)
+            figures = window_figures(samples)
+            return {
+                **figures,
+                "rss_after_read_bytes": samples[0][1],
+                "cache_after_read_bytes": cached,
+                "cache_end_bytes": workload.meminfo(vm.agent)["Cached"],
+                "qemu_cpu_s": round(qemu_cpu, 2),
+                "reclaimer_cpu_s": agent_ms / 1000,
+                "reclaimer_cpu_pct": round(100 * agent_ms / 1000 / window, 3),
+            }
+
+    return run
+
+
+def make_reclaim_steady(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    data = size_param(params, "data")
+    minutes = float_param(params, "minutes")
+    if data + 1024 * MiB > size:
+        raise ThinvmError(f"--param data={format_size(data)} leaves under 1 GiB of a "
+                          f"{format_size(size)} guest")  # fmt: skip
+    disk = DataDisk(data, "debian")
+    variants = [
+        Variant(c.name, steady_run(opts, size, data, minutes, c, bg, disk), c.description)
+        for c, bg in _variants()
+    ]
+
+    @contextlib.contextmanager
+    def session() -> Iterator[None]:
+        with disk.made():
+            yield
+
+    return Scenario(
+        name=NAME,
+        title="an idle guest that read a data set once: does it stay trimmed?",
+        description=(
+            f"A {format_size(size)} Debian guest (the disk image, thinvm-guest-agent as "
+            f"packaged) reads a {format_size(data)} file once from a second disk, then "
+            f"idles {minutes:g} min while the host samples its QEMU's RSS every "
+            f"{SAMPLE_SECONDS:g} s. **stock-reporting**: Debian's QEMU, the in-tree driver, "
+            "free page reporting, the guest reclaimer switched off; **stock-reclaimer**: the "
+            "same with the reclaimer's background mode on (the package's default): our "
+            "guest side on stock QEMU; **thinvm**: patched QEMU, our driver with page ranges, "
+            "reporting, reclaimer on. `rss_end_bytes` is the window's last sample, "
+            "`rss_mean_bytes` its time-weighted mean, `settled_s` when RSS came within "
+            f"{format_size(SETTLED_WITHIN)} of the end for good; `reclaimer_cpu_pct` the "
+            "reclaimer thread's CPU (its own counter) as a share of one vCPU over the "
+            "window, `qemu_cpu_s` the QEMU process's CPU over it."
+        ),
+        variants=variants,
+        baseline="stock-reporting",
+        main_metric="rss_end_bytes",
+        second_metric="rss_mean_bytes",
+        params=steady_params(size, data, minutes),
+        context=session,
+        targets=TARGETS,
+    )
+
+
+def steady_params(size: int, data: int, minutes: float) -> dict[str, Any]:
+    return {"size": format_size(size), "data": format_size(data), "minutes": minutes}
+
+
+# None stated as a ratio: the package's bound is absolute (the reclaimer
+# at most 2% of a vCPU, reclaimer_cpu_pct), read from the table.
+TARGETS: list[Target] = []
+
+SPEC: dict[str, Any] = {
+    "name": NAME,
+    "title": "idle Debian guest that read a data set once: reporting, + reclaimer, thinvm",
+    "make": make_reclaim_steady,
+    "default_size": "4G",
+    "size_help": "guest RAM",
+    "default_runs": 5,
+    "params": {"data": "2G", "minutes": "10"},
+}
