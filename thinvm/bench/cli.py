@@ -3,13 +3,29 @@
 import argparse
 from pathlib import Path
 
-from thinvm.bench import runner
+from thinvm.bench import citations, runner
 from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
+from thinvm.paths import REPO
 from thinvm.units import parse_size
 
 
+def cmd_status(write: bool) -> int:
+    """`thinvm bench status`: check (or, with --write, rewrite) every figure
+    in README.md, docs/ and bench/notes.md that cites a record."""
+    root = REPO
+    if write:
+        print(f"{citations.rewrite(root)} figures rewritten from their records")
+    verdicts = citations.check_all(root)
+    print("\n".join(citations.report(verdicts)))
+    bad = [v for v in verdicts if not v.ok]
+    print(f"{len(verdicts) - len(bad)} of {len(verdicts)} cited figures hold")
+    return 1 if bad else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.scenario == "status":
+        return cmd_status(args.write)
     options = runner.BenchOptions(
         size=parse_size(args.size) if args.size else None,
         runs=args.runs,
@@ -43,7 +59,15 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("bench", help="run a benchmark scenario (docs/benchmarks.md)")
-    p.add_argument("scenario", nargs="?", help="scenario name (see --list)")
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        help="scenario name (see --list), or 'status': check the figures the manuals "
+        "cite from records",
+    )
+    p.add_argument(
+        "--write", action="store_true", help="with 'status': rewrite cited figures from records"
+    )
     p.add_argument("--size", help="main size of the scenario (default: per scenario)")
     p.add_argument("--runs", type=int, help="runs per variant (default: per scenario)")
     p.add_argument("--variants", help="comma-separated subset of the variants")
