@@ -31,7 +31,7 @@ CITE_RE = re.compile(r"<!--\s*cite\s+([^>]*?)\s*-->")
 # The figure right before a citation: an optional ratio sign, a number,
 # an optional unit, then only spaces or markdown emphasis.
 FIGURE_RE = re.compile(
-    r"(?P<sign>[x\u00d7]?)(?P<number>-?\d[\d,]*(?:\.\d+)?)(?P<space>\s?)"
+    r"(?P<sign>[x\u00d7]?)(?P<number>\d[\d,]*(?:\.\d+)?)(?P<space>\s?)"
     r"(?P<unit>ms|s|B|KiB|MiB|GiB|MB|GB|%)?(?P<tail>[*_]*\s*)$"
 )
 # A unit: the kind of metric it may cite (by name suffix) and its size in
