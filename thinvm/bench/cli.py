@@ -1,9 +1,10 @@
 """`thinvm bench`: run a benchmark scenario (docs/benchmarks.md)."""
 
 import argparse
+import json
 from pathlib import Path
 
-from thinvm.bench import citations, runner
+from thinvm.bench import citations, results, runner
 from thinvm.bench.quiet import QuietGate
 from thinvm.errors import ThinvmError
 from thinvm.paths import REPO
@@ -20,6 +21,11 @@ def cmd_status(write: bool) -> int:
     print("\n".join(citations.report(verdicts)))
     bad = [v for v in verdicts if not v.ok]
     print(f"{len(verdicts) - len(bad)} of {len(verdicts)} cited figures hold")
+    print("downtime rule, newest record of each migration scenario:")
+    for name, path in results.latest_results(runner.RESULTS_DIR).items():
+        downtime = results.downtime_verdict(json.loads(path.read_text()))
+        if downtime is not None:
+            print(f"  {name} ({path.stem}): {downtime.describe()}")
     return 1 if bad else 0
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.results import NO_CLEAR_DIFFERENCE, verdict
+from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdict, verdict
 from thinvm.units import GiB, MiB, format_size
 
 DASH = "\u2013"  # en dash, for ranges
@@ -343,6 +343,9 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
     if result.get("targets"):
         lines += ["", "Targets:", ""]
         lines += [render_target(t, result["summary"]) for t in result["targets"]]
+    downtime = downtime_verdict(result)
+    if downtime is not None:
+        lines += ["", f"Downtime rule (thinvm.vm.downtime): {downtime.describe()}."]
     if failed:
         lines += ["", f"{len(failed)} run(s) failed and are left out of the table:"]
         lines += [f"- {r['variant']} run {r['run']}: {r['error']}" for r in failed]

@@ -21,6 +21,7 @@ from typing import Any
 from thinvm.bench.types import Best, Metric, Scenario, Target
 from thinvm.errors import ThinvmError
 from thinvm.paths import REPO
+from thinvm.vm.downtime import QEMU_DEFAULT_LIMIT_MS, DowntimeVerdict
 
 SCHEMA_VERSION = 1
 RESULTS_DIR = REPO / "bench" / "results"
@@ -193,6 +194,19 @@ def evaluate_targets(
             }
         )
     return evaluated
+
+
+def downtime_verdict(result: Mapping[str, Any]) -> DowntimeVerdict | None:
+    """The downtime rule (thinvm.vm.downtime) for a migration record with a
+    thinvm row and a stock-best row; None for any other record.  Judged
+    from the record alone, so older records are judged by it too."""
+    summary = result.get("summary", {})
+    ours = summary.get("thinvm", {}).get("downtime_ms")
+    stock = summary.get("stock-best", {}).get("downtime_ms")
+    if not ours or not stock or ours.get("median") is None or stock.get("median") is None:
+        return None
+    limit = result.get("params", {}).get("downtime-limit", QEMU_DEFAULT_LIMIT_MS)
+    return DowntimeVerdict(ours["median"], ours["max"], stock["median"], limit)
 
 
 def ratio(value: float, reference: float) -> float | None:
