@@ -141,6 +141,18 @@ class _Want:
     cancel: bool = False  # the driver did not follow: set target = actual
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What one cycle's guest statistics say, and the VM's state after them."""
+
+    state: VmState
+    bumped: dict[str, int]  # stress counters that grew since the last cycle
+    tight: bool  # available memory below half the headroom
+    report_current: bool  # the report is newer than the balloon's last move
+    available: int
+    headroom: int
+
+
 class ThinvmPolicy:
     name = "thinvm"
 
@@ -252,17 +264,29 @@ class ThinvmPolicy:
 
     # -- per VM ------------------------------------------------------------
     def _want(self, inputs: Inputs, vm: VmSample, host: _HostView) -> _Want:
+        limits = inputs.limits_of(vm)
+        early, state = self._before_stats(inputs, vm, limits, inputs.state_of(vm))
+        if early is not None:
+            return early
+        seen = self._observe(inputs, vm, state)
+        if seen.bumped or seen.tight:
+            return self._stressed(inputs, vm, limits, seen)
+        return self._steady(inputs, vm, limits, host, seen)
+
+    def _before_stats(
+        self, inputs: Inputs, vm: VmSample, limits: VmLimits, state: VmState
+    ) -> tuple[_Want | None, VmState]:
+        """The wishes that need no guest statistics (a VM left alone, a
+        driver that does not follow, statistics missing or stale), or None
+        and the state after the follow check."""
         p = self.params
-        limits, state = inputs.limits_of(vm), inputs.state_of(vm)
         skip = _unmanaged(vm, limits)
         if skip:
-            return _Want(vm, limits, state, None, skip)
+            return _Want(vm, limits, state, None, skip), state
         assert vm.actual is not None
         if state.given_up_until > inputs.cycle:
-            return _Want(
-                vm, limits, state, None,
-                f"driver did not follow; asking again at cycle {state.given_up_until}",
-            )  # fmt: skip
+            why = f"driver did not follow; asking again at cycle {state.given_up_until}"
+            return _Want(vm, limits, state, None, why), state
         state, stuck = self._follow_check(vm.actual, state, inputs.cycle)
         if stuck is not None:
             why = (
@@ -270,14 +294,21 @@ class ThinvmPolicy:
                 f"{p.stuck_limit} cycles: cancelled (target = actual); asking again at "
                 f"cycle {state.given_up_until}"
             )
-            return _Want(vm, limits, state, stuck, why, cancel=True)
+            return _Want(vm, limits, state, stuck, why, cancel=True), state
         stats = vm.stats
         if stats is None or stats.age > self.stale_after(inputs.interval):
             age = "missing" if stats is None else f"{stats.age:.0f} s old"
             state = state.but(calm_cycles=0, last_actual=vm.actual, actual_steady_s=0.0)
             give_back = min(limits.ceiling, vm.actual + self._headroom(vm, 0))
-            return _Want(vm, limits, state, give_back, f"stats {age}: never shrink; give back")
-        assert stats.free is not None
+            why = f"stats {age}: never shrink; give back"
+            return _Want(vm, limits, state, give_back, why), state
+        return None, state
+
+    def _observe(self, inputs: Inputs, vm: VmSample, state: VmState) -> _Seen:
+        """What this cycle's statistics say about the guest, and its state after."""
+        p = self.params
+        stats, actual = vm.stats, vm.actual
+        assert stats is not None and stats.free is not None and actual is not None
         deltas = {
             k: v - state.counters[k] for k, v in stats.counters().items() if k in state.counters
         }
@@ -288,21 +319,20 @@ class ThinvmPolicy:
         # taken or given.  Such a report says nothing about growth (seen:
         # a guest just ballooned 512 -> 320 MiB looked as if it had grown
         # by 190 MiB and was deflated) and is no ground for shrinking.
-        steady = 0.0 if vm.actual != state.last_actual else state.actual_steady_s + inputs.interval
+        steady = 0.0 if actual != state.last_actual else state.actual_steady_s + inputs.interval
         report_current = stats.age <= steady
-        used = vm.actual - stats.free
+        used = actual - stats.free
         growth = used - state.last_used if report_current and state.last_used is not None else 0
         # A guest that grew in a burst may grow as much again: remember the
         # largest recent burst, forgetting it with a half-life.
         decay = 0.5 ** (inputs.interval / p.growth_half_life)
         peak = max(growth, int(state.peak_growth * decay), 0)
-        headroom = self._headroom(vm, peak)
         available = stats.available if stats.available is not None else stats.free
-        if not report_current and state.last_actual is not None and vm.actual > state.last_actual:
+        if not report_current and state.last_actual is not None and actual > state.last_actual:
             # The report predates a deflate (ours, last cycle): the guest
             # has that much more now.  Without this one low report deflated
             # a guest twice, 274 -> 530 -> 786 MiB (CI, 2026-11-26).
-            available += vm.actual - state.last_actual
+            available += actual - state.last_actual
         tight = available < self._headroom(vm, 0) // 2
         busy = growth > p.dead_band
         known = state.last_used is not None  # a first sample says nothing about trends
@@ -315,21 +345,36 @@ class ThinvmPolicy:
         state = state.but(
             counters=stats.counters(),
             last_used=used if report_current else state.last_used,
-            last_actual=vm.actual,
+            last_actual=actual,
             actual_steady_s=steady,
             calm_cycles=calm,
             peak_growth=peak,
         )
-        if bumped or tight:
-            if bumped:
-                why = "guest " + ", ".join(f"{k.replace('_', ' ')} +{d}" for k, d in bumped.items())
-            else:
-                why = f"guest available {_mib(available)} below half its headroom"
-            boost = max(headroom, int(vm.max_memory * p.stress_boost_fraction))
-            cooldown = self.cycles(p.stress_cooldown_seconds, inputs.interval)
-            state = state.but(cooldown_until=inputs.cycle + cooldown)
-            return _Want(vm, limits, state, min(limits.ceiling, vm.actual + boost),
-                         f"{why}: deflate at once", stressed=True)  # fmt: skip
+        return _Seen(state, bumped, tight, report_current, available, self._headroom(vm, peak))
+
+    def _stressed(self, inputs: Inputs, vm: VmSample, limits: VmLimits, seen: _Seen) -> _Want:
+        """The guest's counters show stress or it is short of memory: deflate now."""
+        p = self.params
+        assert vm.actual is not None
+        if seen.bumped:
+            grown = (f"{k.replace('_', ' ')} +{d}" for k, d in seen.bumped.items())
+            why = "guest " + ", ".join(grown)
+        else:
+            why = f"guest available {_mib(seen.available)} below half its headroom"
+        boost = max(seen.headroom, int(vm.max_memory * p.stress_boost_fraction))
+        cooldown = self.cycles(p.stress_cooldown_seconds, inputs.interval)
+        state = seen.state.but(cooldown_until=inputs.cycle + cooldown)
+        return _Want(vm, limits, state, min(limits.ceiling, vm.actual + boost),
+                     f"{why}: deflate at once", stressed=True)  # fmt: skip
+
+    def _steady(
+        self, inputs: Inputs, vm: VmSample, limits: VmLimits, host: _HostView, seen: _Seen
+    ) -> _Want:
+        """No stress: shrink to the guest's spare memory less its headroom,
+        or, where reporting returns free memory anyway, give back."""
+        p = self.params
+        stats, state, headroom, available = vm.stats, seen.state, seen.headroom, seen.available
+        assert stats is not None and stats.free is not None and vm.actual is not None
         # When the host is calm the guest keeps its page cache; under
         # pressure only its free memory plus what it can drop counts.
         # Either way no more than `available`: it is free memory less the
@@ -341,9 +386,9 @@ class ThinvmPolicy:
         desired = _clamp(vm.actual - (spare - headroom), limits, vm)
         kind = "available" if host.pressure or available < stats.free else "free"
         reason = f"guest {kind} {_mib(spare)}, keeps {_mib(headroom)} headroom"
-        calm_enough = calm >= self.cycles(p.calm_seconds, inputs.interval)
-        may_shrink = report_current and calm_enough and inputs.cycle >= state.cooldown_until
-        if not report_current:
+        calm_enough = state.calm_cycles >= self.cycles(p.calm_seconds, inputs.interval)
+        may_shrink = seen.report_current and calm_enough and inputs.cycle >= state.cooldown_until
+        if not seen.report_current:
             reason = f"{reason}; stats {stats.age:.0f} s old predate the balloon's last move"
         if vm.reporting and p.leave_reported_free and (self._trims(vm) or not host.pressure):
             # Free page reporting already gives the host the guest's free

@@ -4,7 +4,7 @@ thinvm.fleet (see docs/fleet.md)."""
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, TypeAlias
 
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
@@ -286,10 +286,20 @@ def _add_guest_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_parsers(sub: Subparsers) -> None:
     fleet = sub.add_parser("fleet", help="thinvm under libvirt: emulators, XML, guests")
     fsub = fleet.add_subparsers(dest="fleet_command", required=True)
+    _add_setup_parsers(fsub)
+    _add_guest_parsers(fsub)
+    cl = sub.add_parser("cluster", help="simulated libvirt hosts (network namespaces)")
+    _add_cluster_parsers(cl.add_subparsers(dest="cluster_command", required=True))
 
+
+def _add_setup_parsers(fsub: Subparsers) -> None:
+    """fleet install, xml: what a host and a domain need."""
     p = fsub.add_parser("install", help="install the QEMU builds as libvirt emulators")
     p.add_argument("--connect", help="libvirt URI to probe them with (domcapabilities)")
     p.add_argument("--json", action="store_true")
@@ -300,6 +310,9 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     _add_guest_options(p)
     p.set_defaults(func=cmd_xml)
 
+
+def _add_guest_parsers(fsub: Subparsers) -> None:
+    """fleet start, exec, migrate, trim, reclaim, counters: one guest each."""
     p = fsub.add_parser("start", help="define and start a Debian guest on a cluster host")
     p.add_argument("name")
     p.add_argument("--host", default="h1")
@@ -350,8 +363,9 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_counters)
 
-    cl = sub.add_parser("cluster", help="simulated libvirt hosts (network namespaces)")
-    csub = cl.add_subparsers(dest="cluster_command", required=True)
+
+def _add_cluster_parsers(csub: Subparsers) -> None:
+    """cluster up, exec, down, status, kill, restart, uri."""
     p = csub.add_parser("up", help="create N hosts, each with its own libvirtd")
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--link", help="rate limit of each host's link, e.g. 10gbit")
