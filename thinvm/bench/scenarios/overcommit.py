@@ -270,97 +270,69 @@ class Sampler:
         self.swap.append(max(0, swap_used() - self.swap_before))
 
 
-def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
-    guests = int(params["guests"])
-    counts = _sweep_counts(params.get("sweep", ""), guests)
-    budget = parse_size(params["budget"])
-    swap = parse_size(params["swap"])
-    stagger = float(params["stagger"])
-    interval = float(params["interval"])
-    deadline = float(params["deadline"])
-    work = Workload(
-        rounds=int(params["rounds"]),
-        wss=parse_size(params["wss"]),
-        step=parse_size(params["step"]),
-        step_pause=float(params["step_pause"]),
-        hold=float(params["hold"]),
-        idle=float(params["idle"]),
-        read=parse_size(params.get("read", "0")),
-        reread=parse_size(params.get("reread", "0")),
-    )
-    shared = Shared()
-    files = RunFiles()
+@dataclass(frozen=True)
+class Plan:
+    """The scenario's parameters, parsed once."""
 
-    def config(name: str, setup: Setup) -> VMConfig:
-        cfg = opts.vm_config(name, size, reporting=setup.reporting)
-        if work.read:
-            cfg.extra_args.extend(guest_workload.disk_args(files.disk, direct=True))
+    size: int
+    guests: int
+    counts: list[int]  # guest counts tried in turn (one: no sweep)
+    budget: int
+    swap: int
+    stagger: float
+    interval: float
+    deadline: float
+    work: Workload
+
+    @classmethod
+    def parse(cls, params: dict[str, str], size: int) -> "Plan":
+        guests = int(params["guests"])
+        work = Workload(
+            rounds=int(params["rounds"]),
+            wss=parse_size(params["wss"]),
+            step=parse_size(params["step"]),
+            step_pause=float(params["step_pause"]),
+            hold=float(params["hold"]),
+            idle=float(params["idle"]),
+            read=parse_size(params.get("read", "0")),
+            reread=parse_size(params.get("reread", "0")),
+        )
+        return cls(
+            size=size,
+            guests=guests,
+            counts=_sweep_counts(params.get("sweep", ""), guests),
+            budget=parse_size(params["budget"]),
+            swap=parse_size(params["swap"]),
+            stagger=float(params["stagger"]),
+            interval=float(params["interval"]),
+            deadline=float(params["deadline"]),
+            work=work,
+        )
+
+
+class Overcommit:
+    """One variant's measurement: N guests under the budget, or the sweep."""
+
+    def __init__(self, opts: BenchOptions, plan: Plan) -> None:
+        self.opts, self.plan = opts, plan
+        self.shared = Shared()
+        self.files = RunFiles()
+
+    def config(self, name: str, setup: Setup) -> VMConfig:
+        cfg = self.opts.vm_config(name, self.plan.size, reporting=setup.reporting)
+        if self.plan.work.read:
+            cfg.extra_args.extend(guest_workload.disk_args(self.files.disk, direct=True))
         return cfg
 
-    def measure_count(setup: Setup, ctx: RunContext, count: int) -> Metrics:
-        limit = budget if setup.limited else 64 * size * count
-        swap_before, swapins_before = swap_used(), host_swapins()
-        with memory_cgroup(limit) as cgroup, contextlib.ExitStack() as stack:
-            vms: list[VM] = []
-            for i in range(count):
-                ctx.step(f"{count} guests: booting guest {i + 1}")
-                vms.append(_boot(cgroup, stack, config(f"oc{i}", setup)))
-            runs = [GuestRun(vm.config.name) for vm in vms]
-            stop = threading.Event()
-            threads = [
-                threading.Thread(
-                    target=run_phases, args=(vm, work, i * stagger, runs[i], stop), daemon=True
-                )
-                for i, vm in enumerate(vms)
-            ]
-            # Its last actions only: a long run logs a line per action.
-            log: deque[str] = deque(maxlen=CONTROLLER_LOG_LINES)
-            controller = _controller(setup, vms, cgroup, interval, log)
-            levers = Levers()
-            sampler = Sampler(cgroup, swap_before)
-            for thread in threads:
-                thread.start()
-            started = time.monotonic()
-            try:
-                _drive(controller, levers, sampler, threads, started + deadline, ctx, runs)
-            finally:
-                stop.set()
-                for thread in threads:
-                    thread.join(timeout=30)
-                if controller is not None:
-                    controller.backend.close()
-            if controller is not None:
-                # What it did and why (targets set, trims, reclaimers
-                # switched): which guest the balloon took from, and when.
-                ctx.note("controller_log", list(log))
-            for vm, run in zip(vms, runs, strict=True):
-                if not vm.alive():
-                    continue  # its counters stay None
-                vmstat = guest_vmstat(vm)
-                if vmstat is not None:
-                    counters = parse_vmstat(vmstat)
-                    run.oom_kills = counters.get("oom_kill")
-                    run.file_refaults = counters.get("workingset_refault_file")
-                run.stall_us = guest_stall_us(vm)
-                if controller is not None:
-                    levers.read_final(vm)
-            host_ooms = cgroup.oom_kills()
-            peak = cgroup.max_usage()
-            alive = [vm.alive() for vm in vms]
-        swapins = host_swapins() - swapins_before
-        metrics = _metrics(
-            setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, shared, swapins
-        )
-        return {**metrics, **levers.metrics()}
-
-    def measure(setup: Setup, ctx: RunContext) -> Metrics:
+    def measure(self, setup: Setup, ctx: RunContext) -> Metrics:
         """One guest count, or the sweep: more guests until one does not fit."""
+        counts = self.plan.counts
         if len(counts) == 1:
-            return measure_count(setup, ctx, counts[0])
+            return self.measure_count(setup, ctx, counts[0])
         per_count: dict[int, Metrics] = {}
         guests: dict[str, Any] = {}
         for count in counts:
-            per_count[count] = measure_count(setup, ctx, count)
+            per_count[count] = self.measure_count(setup, ctx, count)
             guests[str(count)] = ctx.info.get("guests")
             fit = per_count[count]["fit_guests"]
             if setup.limited and (fit is None or fit < count):
@@ -369,96 +341,191 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
         ctx.note("sweep_guests", guests)
         return _sweep_metrics(setup, per_count)
 
-    def variant(name: str, setup: Setup, text: str) -> Variant:
-        return Variant(name, lambda ctx: measure(setup, ctx), text)
+    def measure_count(self, setup: Setup, ctx: RunContext, count: int) -> Metrics:
+        plan = self.plan
+        limit = plan.budget if setup.limited else 64 * plan.size * count
+        swap_before, swapins_before = swap_used(), host_swapins()
+        with memory_cgroup(limit) as cgroup, contextlib.ExitStack() as stack:
+            vms: list[VM] = []
+            for i in range(count):
+                ctx.step(f"{count} guests: booting guest {i + 1}")
+                vms.append(_boot(cgroup, stack, self.config(f"oc{i}", setup)))
+            runs = [GuestRun(vm.config.name) for vm in vms]
+            # Its last actions only: a long run logs a line per action.
+            log: deque[str] = deque(maxlen=CONTROLLER_LOG_LINES)
+            controller = _controller(setup, vms, cgroup, plan.interval, log)
+            levers = Levers()
+            sampler = Sampler(cgroup, swap_before)
+            self._run_guests(vms, runs, controller, levers, sampler, ctx)
+            if controller is not None:
+                # What it did and why (targets set, trims, reclaimers
+                # switched): which guest the balloon took from, and when.
+                ctx.note("controller_log", list(log))
+            _collect(vms, runs, levers if controller is not None else None)
+            host_ooms = cgroup.oom_kills()
+            peak = cgroup.max_usage()
+            alive = [vm.alive() for vm in vms]
+        swapins = host_swapins() - swapins_before
+        metrics = _metrics(
+            setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, self.shared,
+            swapins,
+        )  # fmt: skip
+        return {**metrics, **levers.metrics()}
 
-    reporting = "free page reporting"
+    def _run_guests(
+        self,
+        vms: list[VM],
+        runs: list[GuestRun],
+        controller: Controller | None,
+        levers: "Levers",
+        sampler: Sampler,
+        ctx: RunContext,
+    ) -> None:
+        """Every guest's phases in a thread of its own, started `stagger`
+        apart, while the controller (if any) and the sampler run."""
+        plan = self.plan
+        stop = threading.Event()
+        threads = [
+            threading.Thread(
+                target=run_phases,
+                args=(vm, plan.work, i * plan.stagger, runs[i], stop),
+                daemon=True,
+            )
+            for i, vm in enumerate(vms)
+        ]
+        for thread in threads:
+            thread.start()
+        started = time.monotonic()
+        try:
+            _drive(controller, levers, sampler, threads, started + plan.deadline, ctx, runs)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            if controller is not None:
+                controller.backend.close()
+
+
+def _collect(vms: list[VM], runs: list[GuestRun], levers: "Levers | None") -> None:
+    """The guests' own counters at the end: OOM kills, refaults, stalls,
+    and the levers' final positions where a controller moved them."""
+    for vm, run in zip(vms, runs, strict=True):
+        if not vm.alive():
+            continue  # its counters stay None
+        vmstat = guest_vmstat(vm)
+        if vmstat is not None:
+            counters = parse_vmstat(vmstat)
+            run.oom_kills = counters.get("oom_kill")
+            run.file_refaults = counters.get("workingset_refault_file")
+        run.stall_us = guest_stall_us(vm)
+        if levers is not None:
+            levers.read_final(vm)
+
+
+REPORTING = "free page reporting"
+VARIANTS = [
+    ("unconstrained", Setup(False, False, None), "no budget: the time reference"),
+    ("stock", Setup(True, False, None), "budget; no reporting, no controller"),
+    ("reporting", Setup(True, True, None), f"budget; {REPORTING} only"),
+    ("proxmox", Setup(True, True, "proxmox"), f"{REPORTING} + pvestatd rules"),
+    ("mom", Setup(True, True, "mom"), f"{REPORTING} + oVirt MOM rules"),
+    ("thinvm", Setup(True, True, "thinvm"), f"{REPORTING} + thinvm balance"),
+    (
+        "thinvm-eager",
+        Setup(True, True, "thinvm-eager"),
+        f"{REPORTING} + thinvm balance shrinking free memory on a calm host too",
+    ),
+]
+
+
+def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
+    plan = Plan.parse(params, size)
+    bench = Overcommit(opts, plan)
+
+    def variant(name: str, setup: Setup, text: str) -> Variant:
+        return Variant(name, lambda ctx: bench.measure(setup, ctx), text)
+
     return Scenario(
         name="overcommit",
         title="guests overcommitted under a memory budget: balloon policies",
-        description=(
-            f"{guests} guests of {format_size(size)} (together "
-            f"{format_size(guests * size)}) share a cgroup-v1 memory budget of "
-            f"{format_size(budget)}, with a {format_size(swap)} swap file so going "
-            f"over it is slow rather than fatal. Each guest, started {stagger:g} s after "
-            f"the previous one, runs {work.rounds} round(s) of: "
-            + (
-                f"read {format_size(work.read)} of its disk once (cold page cache), "
-                if work.read
-                else ""
-            )
-            + "grow a working set to "
-            f"{format_size(work.wss)} in {format_size(work.step)} steps "
-            f"({work.step_pause:g} s apart"
-            + (
-                f", re-reading its hot files, the first {format_size(work.reread)} of "
-                "the disk, after each step"
-                if work.reread
-                else ""
-            )
-            + f"), hold it {work.hold:g} s, free it, idle "
-            f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
-            "in the growth steps"
-            + (
-                " and re-reads (`reread_s`; `file_refaults` counts hot pages the guest "
-                "had to read again from its disk)"
-                if work.reread
-                else ""
-            )
-            + ", timed by the guest's clock (what slows down when "
-            "the host swaps or the guest "
-            f"waits for its balloon); `fit_guests` counts guests that finished with "
-            f"no guest or host OOM kill and its own work within {SLOW}x of the "
-            "unconstrained run's completion (its slowest guest) with as many guests. "
-            + (
-                f"Guest counts {', '.join(map(str, counts))} are tried in turn until "
-                "one does not fit; `fit_guests` is the most that all fit. "
-                if len(counts) > 1
-                else ""
-            )
-            + "`steps_done`, `guest_stall_s` (median PSI memory stall per guest) and "
-            "`host_swapin_bytes` say how the work went whatever the machine's load. "
-            "Controllers run every "
-            f"{interval:g} s with a floor of {format_size(FLOOR)}; the anchors' "
-            "per-10-s rate caps are scaled to that interval. The cgroup's memory over "
-            "time is in the result JSON (`info.series`) and in the memory plot."
-        ),
-        variants=[
-            variant("unconstrained", Setup(False, False, None), "no budget: the time reference"),
-            variant("stock", Setup(True, False, None), "budget; no reporting, no controller"),
-            variant("reporting", Setup(True, True, None), f"budget; {reporting} only"),
-            variant("proxmox", Setup(True, True, "proxmox"), f"{reporting} + pvestatd rules"),
-            variant("mom", Setup(True, True, "mom"), f"{reporting} + oVirt MOM rules"),
-            variant("thinvm", Setup(True, True, "thinvm"), f"{reporting} + thinvm balance"),
-            variant(
-                "thinvm-eager",
-                Setup(True, True, "thinvm-eager"),
-                f"{reporting} + thinvm balance shrinking free memory on a calm host too",
-            ),
-        ],
+        description=describe(plan),
+        variants=[variant(name, setup, text) for name, setup, text in VARIANTS],
         main_metric="fit_guests",
         second_metric="work_s",
         baseline="stock",
-        params={
-            "guests": guests,
-            "sweep": ",".join(map(str, counts)),
-            "read": format_size(work.read),
-            "reread": format_size(work.reread),
-            "size": format_size(size),
-            "budget": format_size(budget),
-            "swap": format_size(swap),
-            "rounds": work.rounds,
-            "wss": format_size(work.wss),
-            "step": format_size(work.step),
-            "step_pause_s": work.step_pause,
-            "hold_s": work.hold,
-            "idle_s": work.idle,
-            "stagger_s": stagger,
-            "interval_s": interval,
-            "kernel": opts.kernel,
-        },
-        context=lambda: run_files(files, swap, work.disk_size),
+        params=plan_params(plan, opts.kernel),
+        context=lambda: run_files(bench.files, plan.swap, plan.work.disk_size),
     )
+
+
+def describe(plan: Plan) -> str:
+    """The scenario's description in the docs: what the guests do and how
+    a run is judged."""
+    work, counts = plan.work, plan.counts
+    read = (
+        f"read {format_size(work.read)} of its disk once (cold page cache), " if work.read else ""
+    )
+    reread = (
+        f", re-reading its hot files, the first {format_size(work.reread)} of "
+        "the disk, after each step"
+        if work.reread
+        else ""
+    )
+    reread_s = (
+        " and re-reads (`reread_s`; `file_refaults` counts hot pages the guest "
+        "had to read again from its disk)"
+        if work.reread
+        else ""
+    )
+    sweep = (
+        f"Guest counts {', '.join(map(str, counts))} are tried in turn until "
+        "one does not fit; `fit_guests` is the most that all fit. "
+        if len(counts) > 1
+        else ""
+    )
+    return (
+        f"{plan.guests} guests of {format_size(plan.size)} (together "
+        f"{format_size(plan.guests * plan.size)}) share a cgroup-v1 memory budget of "
+        f"{format_size(plan.budget)}, with a {format_size(plan.swap)} swap file so going "
+        f"over it is slow rather than fatal. Each guest, started {plan.stagger:g} s after "
+        f"the previous one, runs {work.rounds} round(s) of: {read}grow a working set to "
+        f"{format_size(work.wss)} in {format_size(work.step)} steps "
+        f"({work.step_pause:g} s apart{reread}), hold it {work.hold:g} s, free it, idle "
+        f"{work.idle:g} s. `work_s` is the median over guests of the time spent "
+        f"in the growth steps{reread_s}, timed by the guest's clock (what slows down when "
+        "the host swaps or the guest "
+        f"waits for its balloon); `fit_guests` counts guests that finished with "
+        f"no guest or host OOM kill and its own work within {SLOW}x of the "
+        "unconstrained run's completion (its slowest guest) with as many guests. "
+        f"{sweep}`steps_done`, `guest_stall_s` (median PSI memory stall per guest) and "
+        "`host_swapin_bytes` say how the work went whatever the machine's load. "
+        "Controllers run every "
+        f"{plan.interval:g} s with a floor of {format_size(FLOOR)}; the anchors' "
+        "per-10-s rate caps are scaled to that interval. The cgroup's memory over "
+        "time is in the result JSON (`info.series`) and in the memory plot."
+    )
+
+
+def plan_params(plan: Plan, kernel: str) -> dict[str, Any]:
+    work = plan.work
+    return {
+        "guests": plan.guests,
+        "sweep": ",".join(map(str, plan.counts)),
+        "read": format_size(work.read),
+        "reread": format_size(work.reread),
+        "size": format_size(plan.size),
+        "budget": format_size(plan.budget),
+        "swap": format_size(plan.swap),
+        "rounds": work.rounds,
+        "wss": format_size(work.wss),
+        "step": format_size(work.step),
+        "step_pause_s": work.step_pause,
+        "hold_s": work.hold,
+        "idle_s": work.idle,
+        "stagger_s": plan.stagger,
+        "interval_s": plan.interval,
+        "kernel": kernel,
+    }
 
 
 @contextlib.contextmanager
