@@ -1,6 +1,6 @@
 """inflate: balloon inflation and deflation, stock and our driver."""
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from thinvm.bench.probe import (
     SyscallCounter,
@@ -35,12 +35,71 @@ def driver_requests(vm: VM) -> Metrics:
     return metrics
 
 
+@dataclass(frozen=True)
+class InflateRun:
+    """One inflate-and-deflate of a fresh guest."""
+
+    opts: BenchOptions
+    size: int
+    keep: int  # what the guest keeps when the balloon is inflated
+    init_on_alloc: str
+    touched: bool
+    stack: Stack = LEGACY
+
+    @property
+    def timeout(self) -> float:
+        return 60 + 30 * self.size / GiB
+
+    def __call__(self, ctx: RunContext) -> Metrics:
+        metrics: Metrics = {}
+        config = self.opts.vm_config("b-inflate", self.size, self.stack)
+        config.append = f"{config.append} init_on_alloc={self.init_on_alloc}".strip()
+        with self.opts.vm_class(config).start() as vm:
+            ctx.note("boot_s", vm.boot_seconds)
+            if self.touched:
+                ctx.step("guest touches its free memory")
+                # Leave the guest its watermarks: they grow with its RAM.
+                metrics.update(touch_most(vm, leave=max(TOUCH_LEAVE, self.size // 32)))
+            metrics.update(self._balloon(vm, ctx))
+            if self.stack.driver == "thinvm":
+                metrics.update(driver_requests(vm))
+        return metrics
+
+    def _balloon(self, vm: VM, ctx: RunContext) -> Metrics:
+        """Inflate to `keep`, deflate to the full size: times, discard calls
+        and the QEMU process's memory before, inflated and after."""
+        before = vm.host_memory()
+        ctx.step(f"inflating to {format_size(self.keep)}")
+        with SyscallCounter([vm.pid or 0], self.opts.counter) as inflate:
+            balloon.set_target(vm, self.keep)
+            inflate_s = balloon.wait_actual(vm, self.keep, timeout=self.timeout)
+        inflated = vm.host_memory()
+        ctx.step("deflating")
+        with SyscallCounter([vm.pid or 0], self.opts.counter) as deflate:
+            balloon.set_target(vm, self.size)
+            deflate_s = balloon.wait_actual(vm, self.size, timeout=self.timeout)
+        after = vm.host_memory()
+        assert inflate.counts is not None and deflate.counts is not None
+        return {
+            "inflate_s": inflate_s,
+            "deflate_s": deflate_s,
+            "inflate_discard_calls": inflate.counts.discard,
+            "inflate_madvise_calls": inflate.counts.madvise,
+            "deflate_madvise_calls": deflate.counts.madvise,
+            "rss_before_bytes": before.rss,
+            "thp_before_bytes": before.anon_huge,
+            "rss_inflated_bytes": inflated.rss,
+            "thp_inflated_bytes": inflated.anon_huge,
+            "rss_after_bytes": after.rss,
+            "thp_after_bytes": after.anon_huge,
+        }
+
+
 def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     fraction = float_param(params, "fraction")
     if not 0 < fraction < 1:
         raise ThinvmError(f"--param fraction={fraction}: want a fraction between 0 and 1")
     keep = int(size * (1 - fraction)) // MiB * MiB
-    timeout = 60 + 30 * size / GiB
     # Debian's kernels zero every page they allocate (init_on_alloc=1),
     # balloon pages included; under TCG that zeroing dominates inflation
     # for every driver.  init_on_alloc=0 measures the balloon itself.
@@ -48,49 +107,8 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
     if init_on_alloc not in ("0", "1"):
         raise ThinvmError(f"--param init_on_alloc={init_on_alloc}: want 0 or 1")
 
-    def variant(touched: bool, stack: Stack = LEGACY) -> Callable[[RunContext], Metrics]:
-        def run(ctx: RunContext) -> Metrics:
-            metrics: Metrics = {}
-            config = opts.vm_config("b-inflate", size, stack)
-            config.append = f"{config.append} init_on_alloc={init_on_alloc}".strip()
-            with opts.vm_class(config).start() as vm:
-                ctx.note("boot_s", vm.boot_seconds)
-                if touched:
-                    ctx.step("guest touches its free memory")
-                    # Leave the guest its watermarks: they grow with its RAM.
-                    metrics.update(touch_most(vm, leave=max(TOUCH_LEAVE, size // 32)))
-                before = vm.host_memory()
-                ctx.step(f"inflating to {format_size(keep)}")
-                with SyscallCounter([vm.pid or 0], opts.counter) as inflate:
-                    balloon.set_target(vm, keep)
-                    inflate_s = balloon.wait_actual(vm, keep, timeout=timeout)
-                inflated = vm.host_memory()
-                ctx.step("deflating")
-                with SyscallCounter([vm.pid or 0], opts.counter) as deflate:
-                    balloon.set_target(vm, size)
-                    deflate_s = balloon.wait_actual(vm, size, timeout=timeout)
-                after = vm.host_memory()
-                if stack.driver == "thinvm":
-                    metrics.update(driver_requests(vm))
-            assert inflate.counts is not None and deflate.counts is not None
-            metrics.update(
-                {
-                    "inflate_s": inflate_s,
-                    "deflate_s": deflate_s,
-                    "inflate_discard_calls": inflate.counts.discard,
-                    "inflate_madvise_calls": inflate.counts.madvise,
-                    "deflate_madvise_calls": deflate.counts.madvise,
-                    "rss_before_bytes": before.rss,
-                    "thp_before_bytes": before.anon_huge,
-                    "rss_inflated_bytes": inflated.rss,
-                    "thp_inflated_bytes": inflated.anon_huge,
-                    "rss_after_bytes": after.rss,
-                    "thp_after_bytes": after.anon_huge,
-                }
-            )
-            return metrics
-
-        return run
+    def variant(touched: bool, stack: Stack = LEGACY) -> InflateRun:
+        return InflateRun(opts, size, keep, init_on_alloc, touched, stack)
 
     return Scenario(
         name="inflate",
