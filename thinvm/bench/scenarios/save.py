@@ -2,7 +2,8 @@
 
 import os
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.scenarios.common import (
@@ -70,54 +71,75 @@ def _restore(
     return dst, cpu.metrics
 
 
+@dataclass(frozen=True)
+class SaveRestoreRun:
+    """One save of a fresh guest to a file and its restore in a new QEMU."""
+
+    opts: BenchOptions
+    size: int
+    used: int
+    idle: float
+    stack: Stack
+    extra: dict[str, bool]
+
+    def __call__(self, ctx: RunContext) -> Metrics:
+        config = self.opts.vm_config("b-save", self.size, self.stack)
+        caps = {**self.stack.caps, **self.extra}
+        path = cache_dir() / "bench-save" / f"{ctx.variant}-{os.getpid()}.mig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            metrics, result = self._save(ctx, config, caps, path)
+            st = path.stat()
+            metrics.update(warm_host(ctx, st.st_blocks * 512))
+            metrics.update(self._restore(ctx, config, caps, f"file:{path}"))
+        finally:
+            path.unlink(missing_ok=True)
+        return {
+            "save_ms": result.total_time_ms,
+            "file_bytes": st.st_blocks * 512,
+            "file_size_bytes": st.st_size,
+            "transferred_bytes": result.transferred,
+            "normal_pages": result.normal_pages,
+            "zero_pages": result.zero_pages,
+            "sparse_skipped_pages": result.sparse_skipped,
+            **metrics,
+        }
+
+    def _save(
+        self, ctx: RunContext, config: VMConfig, caps: dict[str, bool], path: Path
+    ) -> tuple[Metrics, migrate.MigrationResult]:
+        with VM(config).start() as src:
+            metrics = hold_then_idle(ctx, src, self.stack, self.used, SAVE_SEED, self.idle)
+            ctx.step(f"saving to {path.name}")
+            with MigrationCpu(src.pid, None) as cpu:
+                result = migrate.migrate_to_uri(
+                    src, f"file:{path}", caps=caps, params={**MIGRATION_PARAMS, **CHANNELS}
+                )
+            metrics.update(cpu.metrics)
+        return metrics, result
+
+    def _restore(
+        self, ctx: RunContext, config: VMConfig, caps: dict[str, bool], uri: str
+    ) -> Metrics:
+        """Restore in a new QEMU; the time until the guest runs, its data verified."""
+        began = time.monotonic()
+        restored, metrics = _restore(config, uri, caps, ctx)
+        with restored as dst:
+            metrics["restore_ms"] = (time.monotonic() - began) * 1000
+            dst.wait_agent(timeout=60)
+            if self.used:
+                verify_pattern(dst, ctx, SAVE_SEED)
+            metrics["dst_rss_bytes"] = dst.host_memory().rss
+        return metrics
+
+
 def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = float_param(params, "idle")
     fraction = used_fraction(params)
     used = int(size * fraction) // MiB * MiB
 
-    def variant(stack: Stack, extra: dict[str, bool]) -> Callable[[RunContext], Metrics]:
-        def run(ctx: RunContext) -> Metrics:
-            config = opts.vm_config("b-save", size, stack)
-            caps = {**stack.caps, **extra}
-            path = cache_dir() / "bench-save" / f"{ctx.variant}-{os.getpid()}.mig"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            uri = f"file:{path}"
-            try:
-                with VM(config).start() as src:
-                    metrics = hold_then_idle(ctx, src, stack, used, SAVE_SEED, idle)
-                    ctx.step(f"saving to {path.name}")
-                    with MigrationCpu(src.pid, None) as cpu:
-                        result = migrate.migrate_to_uri(
-                            src, uri, caps=caps, params={**MIGRATION_PARAMS, **CHANNELS}
-                        )
-                    metrics.update(cpu.metrics)
-                st = path.stat()
-                metrics.update(warm_host(ctx, st.st_blocks * 512))
-                began = time.monotonic()
-                restored, restore_cpu = _restore(config, uri, caps, ctx)
-                metrics.update(restore_cpu)
-                with restored as dst:
-                    restore_ms = (time.monotonic() - began) * 1000
-                    dst.wait_agent(timeout=60)
-                    if used:
-                        verify_pattern(dst, ctx, SAVE_SEED)
-                    dst_rss = dst.host_memory().rss
-            finally:
-                path.unlink(missing_ok=True)
-            return {
-                "save_ms": result.total_time_ms,
-                "restore_ms": restore_ms,
-                "file_bytes": st.st_blocks * 512,
-                "file_size_bytes": st.st_size,
-                "transferred_bytes": result.transferred,
-                "normal_pages": result.normal_pages,
-                "zero_pages": result.zero_pages,
-                "sparse_skipped_pages": result.sparse_skipped,
-                "dst_rss_bytes": dst_rss,
-                **metrics,
-            }
-
-        return run
+    def variant(stack: Stack, extra: dict[str, bool]) -> SaveRestoreRun:
+        return SaveRestoreRun(opts, size, used, idle, stack, extra)
 
     targets = [
         Target(
