@@ -3,6 +3,7 @@
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from thinvm.bench.scenarios.common import (
@@ -214,6 +215,57 @@ def compress_rows(compression: str, link: str | None) -> list[tuple[str, str, st
     ]
 
 
+@dataclass(frozen=True)
+class CompressRun:
+    """What every migrate-compress row shares: one fresh guest's migration."""
+
+    opts: BenchOptions
+    size: int
+    used: int
+    idle: float
+    cap: int  # Mbit/s of the capped rows
+    transport: Transport
+
+    def of(self, stack: Stack, method: str, capped: bool) -> Callable[[RunContext], Metrics]:
+        extra = compress_params(method, self.cap if capped else None)
+        return fresh_guest_migration(
+            self.opts, self.size, stack, self.transport, used=self.used, idle=self.idle,
+            params=extra,
+        )  # fmt: skip
+
+
+# Compression against none on fixed stacks: what pays is the question
+# here, not which stock configuration is best.
+COMPRESS_STACKS = {
+    "stock-best": (STOCK_BEST, "stock QEMU and driver; reporting, multifd (2 channels)"),
+    "thinvm": (
+        THINVM,
+        "patched QEMU, our driver; reporting + page ranges, sparse-ram, multifd (2 channels)",
+    ),
+}
+
+
+def compress_variants(
+    run: CompressRun, compression: str, link: str | None, uncapped: str
+) -> list[Variant]:
+    """Every stack with and without compression, uncapped and, with a
+    link, capped to it."""
+    variants = []
+    for capped in (False, True) if link else (False,):
+        where = f"max-bandwidth {run.cap} Mbit/s ({link} link)" if capped else uncapped
+        for row, stack, method, reference in compress_rows(compression, link if capped else None):
+            how = "no compression" if method == "none" else f"multifd-compression={method}"
+            variants.append(
+                Variant(
+                    row,
+                    run.of(COMPRESS_STACKS[stack][0], method, capped),
+                    f"{COMPRESS_STACKS[stack][1]}; {how}; {where}",
+                    reference=reference,
+                )
+            )
+    return variants
+
+
 def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     idle = float_param(params, "idle")
     used = size_param(params, "used")
@@ -232,34 +284,8 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
     # Where the uncapped rows migrate: loopback is as fast as the CPUs.
     uncapped = f"over a {rate} veth link" if opts.net == "veth" else "uncapped over loopback"
 
-    def variant(stack: Stack, method: str, capped: bool) -> Callable[[RunContext], Metrics]:
-        extra = compress_params(method, cap if capped else None)
-        return fresh_guest_migration(
-            opts, size, stack, transport, used=used, idle=idle, params=extra
-        )
-
-    # Compression against none on fixed stacks: what pays is the question
-    # here, not which stock configuration is best.
-    stacks = {
-        "stock-best": (STOCK_BEST, "stock QEMU and driver; reporting, multifd (2 channels)"),
-        "thinvm": (
-            THINVM,
-            "patched QEMU, our driver; reporting + page ranges, sparse-ram, multifd (2 channels)",
-        ),
-    }
-    variants = []
-    for capped in (False, True) if link else (False,):
-        where = f"max-bandwidth {cap} Mbit/s ({link} link)" if capped else uncapped
-        for row, stack, method, reference in compress_rows(compression, link if capped else None):
-            how = "no compression" if method == "none" else f"multifd-compression={method}"
-            variants.append(
-                Variant(
-                    row,
-                    variant(stacks[stack][0], method, capped),
-                    f"{stacks[stack][1]}; {how}; {where}",
-                    reference=reference,
-                )
-            )
+    run = CompressRun(opts, size, used, idle, cap, transport)
+    variants = compress_variants(run, compression, link, uncapped)
     capped_text = (
         f" and with `max-bandwidth` {cap * 1_000_000 // 8:,} B/s (a {link} link)" if link else ""
     )
