@@ -352,6 +352,22 @@ def test_faults_at_the_destination_leave_the_guest_on_the_source(
     verify_pattern(h2, name, 4)
 
 
+def setmem_by_ranges(h: Host, name: str) -> None:
+    """virsh setmem drives our driver by page ranges, down and up again (the
+    counters grow: a test before may have ballooned the shared guest too)."""
+    before = migrate.balloon_counters(h, name)
+    virsh(h, "setmem", name, "320M", "--live")
+    wait_for(lambda: memstat(h, name)["actual"] == 320 * 1024, "balloon to 320M")
+    counters = migrate.balloon_counters(h, name)
+    for counter in ("range-requests", "range-discards"):
+        assert counters[counter] > before[counter], (before, counters)
+    assert counters["guest-errors"] == 0
+    virsh(h, "setmem", name, "512M", "--live")
+    wait_for(lambda: memstat(h, name)["actual"] == 512 * 1024, "balloon back to 512M")
+    after = migrate.balloon_counters(h, name)
+    assert after["range-requests"] > counters["range-requests"], (counters, after)
+
+
 def test_setmem_migrate_back_and_forth_save_restore(
     images: dict[str, guest_image.DiskImage], shared_guest: SharedGuest
 ) -> None:
@@ -370,19 +386,7 @@ def test_setmem_migrate_back_and_forth_save_restore(
         assert "-qmp" not in virsh(h1, "dumpxml", name)
         assert qemu_user(h1, name) == cluster.QEMU_USER  # Debian's default, not root
         in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 11")
-        # virsh setmem drives our driver by page ranges (the counters grow:
-        # the test before ballooned the shared guest too).
-        before = migrate.balloon_counters(h1, name)
-        virsh(h1, "setmem", name, "320M", "--live")
-        wait_for(lambda: memstat(h1, name)["actual"] == 320 * 1024, "balloon to 320M")
-        counters = migrate.balloon_counters(h1, name)
-        for counter in ("range-requests", "range-discards"):
-            assert counters[counter] > before[counter], (before, counters)
-        assert counters["guest-errors"] == 0
-        virsh(h1, "setmem", name, "512M", "--live")
-        wait_for(lambda: memstat(h1, name)["actual"] == 512 * 1024, "balloon back to 512M")
-        after = migrate.balloon_counters(h1, name)
-        assert after["range-requests"] > counters["range-requests"], (counters, after)
+        setmem_by_ranges(h1, name)
 
         there = migrate.migrate(h1, h2, name)
         assert guest.domstate(h2, name) == "running" and guest.domstate(h1, name) == "absent"

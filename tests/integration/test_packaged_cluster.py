@@ -252,6 +252,31 @@ def test_packaged_hosts_qemus_certificates_open_no_other_host(
     assert_qemus_files_open_no_peer(packaged, tmp_path)
 
 
+def purge_thinvm_qemu(packaged: ClusterState, h: Host) -> None:
+    """apt purge thinvm-qemu on a host: none of its files, units or
+    processes is left, and the host offers Debian's QEMU again."""
+    files = cluster.host_run(packaged, h.name, ["dpkg-query", "-L", "thinvm-qemu"]).stdout
+    ours = [f for f in files.split() if "thinvm" in f]
+    assert ours and all((h.rootfs / f.lstrip("/")).exists() for f in ours)
+    cluster.host_apt(packaged, h.name, "purge", "thinvm-qemu")
+    assert not [f for f in ours if (h.rootfs / f.lstrip("/")).exists()]
+    left = subprocess.run(
+        ["find", str(h.rootfs), "-xdev",
+         "(", "-path", f"{h.rootfs}/proc", "-o", "-path", f"{h.rootfs}/var/lib/apt/lists",
+         "-o", "-path", f"{h.rootfs}{cluster.APT_REPO_DIR}",
+         "-o", "-path", f"{h.rootfs}/var/lib/thinvm", ")", "-prune",
+         "-o", "-name", "*thinvm*", "-print"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    assert left == [f"{h.rootfs}{cluster.APT_LIST}"], left
+    # No unit of ours in the root (find above), no process of ours on the host.
+    for pid in cluster._netns_pids(h.netns):
+        with contextlib.suppress(FileNotFoundError):
+            exe = os.readlink(f"/proc/{pid}/exe").removeprefix(str(h.rootfs))
+            assert "thinvm" not in exe, f"process {pid} runs {exe}"
+    assert cluster.host_flavour(h) == "stock"
+
+
 def test_rolling_upgrade_of_three_hosts_then_purge(
     packaged: ClusterState, image: guest_image.DiskImage
 ) -> None:
@@ -304,26 +329,7 @@ def test_rolling_upgrade_of_three_hosts_then_purge(
         # h3 is taken out of thinvm: guests off, purge, and it runs stock again.
         migrate.migrate(h3, h1, name, parallel=2)
         verify(h1, name, 31)
-        files = cluster.host_run(packaged, "h3", ["dpkg-query", "-L", "thinvm-qemu"]).stdout
-        ours = [f for f in files.split() if "thinvm" in f]
-        assert ours and all((h3.rootfs / f.lstrip("/")).exists() for f in ours)
-        cluster.host_apt(packaged, "h3", "purge", "thinvm-qemu")
-        assert not [f for f in ours if (h3.rootfs / f.lstrip("/")).exists()]
-        left = subprocess.run(
-            ["find", str(h3.rootfs), "-xdev",
-             "(", "-path", f"{h3.rootfs}/proc", "-o", "-path", f"{h3.rootfs}/var/lib/apt/lists",
-             "-o", "-path", f"{h3.rootfs}{cluster.APT_REPO_DIR}",
-             "-o", "-path", f"{h3.rootfs}/var/lib/thinvm", ")", "-prune",
-             "-o", "-name", "*thinvm*", "-print"],
-            capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
-        assert left == [f"{h3.rootfs}{cluster.APT_LIST}"], left
-        # No unit of ours in the root (find above), no process of ours on the host.
-        for pid in cluster._netns_pids(h3.netns):
-            with contextlib.suppress(FileNotFoundError):
-                exe = os.readlink(f"/proc/{pid}/exe").removeprefix(str(h3.rootfs))
-                assert "thinvm" not in exe, f"process {pid} runs {exe}"
-        assert cluster.host_flavour(h3) == "stock"
+        purge_thinvm_qemu(packaged, h3)
         assert emulator.packaged_emulator(h3.uri) == emulator.PACKAGED_STOCK
         # thinvm host -> the stock host: Debian's QEMU takes the guest, and
         # the upgraded source still skips.

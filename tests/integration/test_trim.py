@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,6 +107,28 @@ def stop_detached(vm: VM, name: str, env: dict[str, str]) -> None:
 
 # Classic LRU with the in-tree driver; MGLRU with ours (both report).
 @pytest.mark.parametrize(("kernel", "driver"), [("6.1", "stock"), ("6.12", "thinvm")])
+def read_cold_and_hot(agent: AgentClient) -> tuple[int, dict[str, Any]]:
+    """The guest writes its pattern, reads the disk once and its hot subset
+    five more times; its page cache then, and its reclaimer's status (off:
+    the busybox image starts without background reclaim)."""
+    try:
+        workload.hold_disk_open(agent)
+        workload.pattern_write(agent, PATTERN, SEED)
+        workload.read_disk(agent, DISK)  # once: all of it is cold
+        # The hot subset, read five more times: MGLRU (6.12) protects page
+        # cache read through read() from its fifth read on (its tier
+        # counter saturates), the classic LRU (6.1) from its second.
+        workload.read_disk(agent, HOT, passes=5)
+        cache_read = page_cache(agent)
+        assert cache_read >= DISK - 16 * MiB, format_size(cache_read)
+        status = trim.reclaimer_status(agent)
+        assert status is not None and status["available"], status
+        assert not status["background"]  # off unless asked for
+    finally:
+        agent.close()
+    return cache_read, status
+
+
 def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
     tmp_path: Path, run_env: dict[str, str], kernel: str, driver: str
 ) -> None:
@@ -121,20 +144,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
     )
     vm = start_detached(name, config, run_env)
     try:
-        agent = AgentClient(str(vm.agent_socket))
-        workload.hold_disk_open(agent)
-        workload.pattern_write(agent, PATTERN, SEED)
-        workload.read_disk(agent, DISK)  # once: all of it is cold
-        # The hot subset, read five more times: MGLRU (6.12) protects page
-        # cache read through read() from its fifth read on (its tier
-        # counter saturates), the classic LRU (6.1) from its second.
-        workload.read_disk(agent, HOT, passes=5)
-        cache_read = page_cache(agent)
-        assert cache_read >= DISK - 16 * MiB, format_size(cache_read)
-        status = trim.reclaimer_status(agent)
-        assert status is not None and status["available"], status
-        assert not status["background"]  # off unless asked for
-        agent.close()
+        cache_read, status = read_cold_and_hot(AgentClient(str(vm.agent_socket)))
 
         # Untrimmed: the cold cache travels.
         out = cli(run_env, "migrate", name).stdout
