@@ -6,6 +6,7 @@ import pytest
 
 from thinvm.balance.daemon import CycleReport
 from thinvm.balance.model import Decision, HostSample, Reclaimer, VmSample
+from thinvm.bench.scenarios import overcommit
 from thinvm.bench.scenarios.overcommit import (
     GuestRun,
     Levers,
@@ -16,7 +17,8 @@ from thinvm.bench.scenarios.overcommit import (
     _sweep_counts,
     _sweep_metrics,
 )
-from thinvm.bench.types import RunContext
+from thinvm.bench.scenarios.params import check_params
+from thinvm.bench.types import BenchOptions, Metrics, RunContext
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 
@@ -102,8 +104,25 @@ def test_sweep_fit_is_the_most_guests_that_all_fit() -> None:
     per_count = {3: {"fit_guests": 3}, 4: {"fit_guests": 4}, 5: {"fit_guests": 3}}
     got = _sweep_metrics(Setup(True, True, "thinvm"), per_count)
     assert got["fit_guests"] == 4 and got["guests_tried"] == 5
+    # One of three guests finishing is not "one fits": no count fit (the
+    # audit of 2026-11-27 found the old figure counted such partial runs).
     none_fit = {3: {"fit_guests": 1}}
-    assert _sweep_metrics(Setup(True, False, None), none_fit)["fit_guests"] == 1
+    assert _sweep_metrics(Setup(True, False, None), none_fit)["fit_guests"] == 0
+
+
+def test_a_sweep_whose_first_count_does_not_fit_goes_down_until_one_does() -> None:
+    fits_up_to = 2
+    tried: list[int] = []
+
+    def measure_count(_setup: Setup, _ctx: RunContext, count: int) -> Metrics:
+        tried.append(count)
+        return {"fit_guests": count if count <= fits_up_to else count - 1}
+
+    params = check_params(overcommit.SPEC["params"], {"sweep": "4,5"}, "overcommit")
+    bench = overcommit.Overcommit(BenchOptions(), overcommit.Plan.parse(params, 1024 * MiB))
+    bench.measure_count = measure_count  # type: ignore[method-assign]
+    got = bench.measure(Setup(True, True, "reporting"), RunContext("overcommit", "r", 1, 1))
+    assert tried == [4, 3, 2] and got["fit_guests"] == 2 and got["guests_tried"] == 4
 
 
 def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:

@@ -331,12 +331,22 @@ class Overcommit:
             return self.measure_count(setup, ctx, counts[0])
         per_count: dict[int, Metrics] = {}
         guests: dict[str, Any] = {}
-        for count in counts:
+
+        def run(count: int) -> bool:
             per_count[count] = self.measure_count(setup, ctx, count)
             guests[str(count)] = ctx.info.get("guests")
-            fit = per_count[count]["fit_guests"]
-            if setup.limited and (fit is None or fit < count):
+            return _all_fit(per_count[count], count)
+
+        for count in counts:  # up, while every guest fits
+            if not run(count) and setup.limited:
                 break
+        if setup.limited and not any(_all_fit(m, n) for n, m in per_count.items()):
+            # Not even the first count fit: go down until one does, so that
+            # the largest count that fits is measured, never inferred from
+            # how many of a larger count happened to finish.
+            for count in range(min(counts) - 1, 0, -1):
+                if run(count):
+                    break
         ctx.note("sweep", {str(n): m for n, m in per_count.items()})
         ctx.note("sweep_guests", guests)
         return _sweep_metrics(setup, per_count)
@@ -479,7 +489,9 @@ def describe(plan: Plan) -> str:
     )
     sweep = (
         f"Guest counts {', '.join(map(str, counts))} are tried in turn until "
-        "one does not fit; `fit_guests` is the most that all fit. "
+        "one does not fit, and if the first does not, smaller counts down to one "
+        "until one does; `fit_guests` is the largest count at which every guest "
+        "fit (a run's own figure; the table gives the median over runs). "
         if len(counts) > 1
         else ""
     )
@@ -559,13 +571,18 @@ def _sweep_counts(text: str, guests: int) -> list[int]:
     return counts
 
 
+def _all_fit(metrics: Metrics, count: int) -> bool:
+    """Every one of `count` guests finished within the bar, no OOM kill."""
+    return metrics["fit_guests"] == count
+
+
 def _sweep_metrics(setup: Setup, per_count: dict[int, Metrics]) -> Metrics:
-    """The sweep's result: the most guests that all fit, and the figures
-    of the largest count that was run."""
+    """The sweep's result: the largest count at which every guest fit (0 if
+    none did, down to one guest), and the figures of the largest count run."""
     largest = max(per_count)
-    fitting = [n for n, m in per_count.items() if m["fit_guests"] == n]
+    fitting = [n for n, m in per_count.items() if _all_fit(m, n)]
     metrics = dict(per_count[largest])
-    metrics["fit_guests"] = max(fitting) if fitting else per_count[min(per_count)]["fit_guests"]
+    metrics["fit_guests"] = max(fitting) if fitting else 0
     metrics["guests_tried"] = largest
     return metrics
 
