@@ -4,19 +4,31 @@ On a shared 2-core machine another engineer's QEMU build or TCG guest
 doubles a migration's wall time; numbers taken then compare the neighbours,
 not the variants.  Before every run the harness waits until the 1-minute
 load average is below `max_load` and no QEMU runs that is not the harness's
-own (its own are its descendants), for at most `max_wait_s`; then it runs
-anyway and records that the machine was not quiet.  What it saw goes into
-the run's record, so a reader can tell a quiet result from a noisy one.
+own, for at most `max_wait_s`; then it runs anyway and records that the
+machine was not quiet.  While the run goes on, it looks for other QEMUs
+every `poll_s` (the load average is the run's own then, so it is only
+recorded).  A run is quiet when the gate was met at its start and no other
+QEMU appeared during it; what was seen goes into the run's record, so a
+reader can tell a quiet result from a noisy one.
+
+The harness's own QEMUs are its descendants, and the guests a benchmark
+starts through a simulated cluster's libvirtd, which are not: their
+libvirt names start with OWN_LIBVIRT_GUEST (thinvm.bench.scenarios.fleet).
 """
 
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
 
 from thinvm.host.procs import descends_from, processes_named
 
 QEMU_PREFIX = "qemu-system"  # comm of qemu-system-x86_64 and friends, cut to 15 chars
+OWN_LIBVIRT_GUEST = b"guest=bench-"  # in the -name libvirt gives a benchmark's guest
 
 
 @dataclass(frozen=True)
@@ -39,10 +51,21 @@ class Observation:
     other_qemu: int  # QEMU processes that are not the harness's own
 
 
+def is_benchmark_libvirt_guest(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return OWN_LIBVIRT_GUEST in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return False
+
+
 def foreign_qemu_count(own: int | None = None) -> int:
-    """QEMU processes on the host that `own` (default: this process) did not start."""
+    """QEMU processes on the host that `own` (default: this process) did not
+    start, directly or through a benchmark cluster's libvirtd."""
     own = os.getpid() if own is None else own
-    return sum(1 for pid in processes_named(QEMU_PREFIX) if not descends_from(pid, own))
+    return sum(
+        1
+        for pid in processes_named(QEMU_PREFIX)
+        if not descends_from(pid, own) and not is_benchmark_libvirt_guest(pid)
+    )
 
 
 def observe() -> Observation:
@@ -78,3 +101,43 @@ def wait_quiet(
             }
         on_wait(seen, waited)
         sleep(min(gate.poll_s, gate.max_wait_s - waited))
+
+
+class RunWatch:
+    """Looks for other QEMUs every `poll_s` while a run goes on."""
+
+    def __init__(self, poll_s: float, count: Callable[[], int] = foreign_qemu_count) -> None:
+        self.poll_s, self.count = poll_s, count
+        self.most_other_qemu = 0
+        self.looks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="quiet-watch", daemon=True)
+
+    def _watch(self) -> None:
+        while True:
+            self.most_other_qemu = max(self.most_other_qemu, self.count())
+            self.looks += 1
+            if self._stop.wait(self.poll_s):
+                return
+
+    def __enter__(self) -> "RunWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def as_record(self) -> dict[str, object]:
+        return {"other_qemu_during": self.most_other_qemu, "looks_during": self.looks}
+
+
+def run_was_quiet(quiet: dict[str, object]) -> bool:
+    """A run's record: quiet at its start, and no other QEMU during it
+    (records made before the watch count by their start alone)."""
+    return bool(quiet.get("quiet")) and not quiet.get("other_qemu_during")

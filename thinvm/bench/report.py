@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thinvm.bench.quiet import run_was_quiet
 from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdict, verdict
 from thinvm.units import GiB, MiB, format_size
 
@@ -270,10 +271,27 @@ def _gate_text(result: dict[str, Any]) -> str:
         return ""
     waited = [s["waited_s"] for s in seen]
     quiet = sum(1 for s in seen if s["quiet"])
-    return (
+    text = (
         f"; quiet gate (1-min load < {gate['max_load']:g}, no other QEMU, wait at most "
         f"{gate['max_wait_s']:.0f} s): {quiet} of {len(seen)} runs started on a quiet "
         f"machine, after waiting {min(waited):.0f}{DASH}{max(waited):.0f} s"
+    )
+    watched = [s for s in seen if "other_qemu_during" in s]
+    if watched:
+        calm = sum(1 for s in watched if not s["other_qemu_during"])
+        text += f"; {calm} of {len(watched)} saw no other QEMU while they ran"
+    return text
+
+
+def quiet_warning(result: dict[str, Any]) -> str | None:
+    """A line above the table of a record with runs that were not quiet."""
+    seen = [r["quiet"] for r in result["runs"] if "quiet" in r]
+    noisy = [s for s in seen if not run_was_quiet(s)]
+    if not result["load"].get("gate") or not noisy:
+        return None
+    return (
+        f"**Not quiet: {len(noisy)} of {len(seen)} runs** started on a busy machine or "
+        "saw another QEMU while they ran; compare this table's figures with care."
     )
 
 
@@ -324,6 +342,7 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
         )
         + ".",
         "",
+        *([warning, ""] if (warning := quiet_warning(result)) else []),
         render_table(result),
         "",
         f"Median [min{DASH}max] of {result['runs_per_variant']} run(s) per variant, run "
@@ -433,10 +452,17 @@ The machine is shared (2 CPUs, other engineers' builds and guests), so a
 recorded result follows these rules (issue 19):
 
 - **Quiet gate.** Before every run the harness waits until the 1-minute
-  load average is below 1.0 and no QEMU runs that the harness did not start,
-  for at most 10 minutes; then the run starts anyway. Every run records the
-  load, the number of other QEMU processes and how long it waited, and each
-  section's load line says how many runs started on a quiet machine.
+  load average is below `--quiet-load` (default 1.0) and no QEMU runs that
+  the harness did not start (directly, or through a benchmark cluster's
+  libvirtd: guests named `bench-*`), for at most `--quiet-wait` seconds
+  (default 600); then the run starts anyway. While the run goes on it
+  looks for other QEMU processes every 5 s (the load average is then the
+  run's own, so it is only recorded). A run is quiet when the gate was met
+  at its start and no other QEMU appeared during it. Every run records
+  what it saw; each section's load line states the gate that record ran
+  with and how many runs were quiet, and a record with runs that were not
+  says so above its table. Records made before 2026-11-28 were gated at
+  their start only.
 - **At least 5 runs per variant**, interleaved A B A B ..., unless `--runs`
   asks for fewer (then the section shows the smaller count).
 - **Spread and verdict.** A ratio is a gain or a loss only when the two

@@ -22,7 +22,7 @@ from typing import Any
 
 from thinvm.bench import probe, report, scenarios
 from thinvm.bench.environment import guest_environment, host_environment
-from thinvm.bench.quiet import Observation, QuietGate, wait_quiet
+from thinvm.bench.quiet import Observation, QuietGate, RunWatch, wait_quiet
 from thinvm.bench.results import (
     DOCS_PATH,
     NOTES_PATH,
@@ -89,7 +89,7 @@ def run_scenario(
                 runs,
                 progress=lambda text, head=head: line.update(f"{head}: {text}"),  # type: ignore[misc]
             )
-            record = _measure(by_name[name], ctx, _wait_quiet(gate, line, head))
+            record = _measure(by_name[name], ctx, _wait_quiet(gate, line, head), gate)
             records.append(record)
             if runs_log is not None:
                 with runs_log.open("a") as log:
@@ -113,7 +113,9 @@ def _wait_quiet(gate: QuietGate, line: ProgressLine, head: str) -> dict[str, Any
     return wait_quiet(gate, on_wait=show)
 
 
-def _measure(variant: Variant, ctx: RunContext, quiet: dict[str, Any]) -> dict[str, Any]:
+def _measure(
+    variant: Variant, ctx: RunContext, quiet: dict[str, Any], gate: QuietGate
+) -> dict[str, Any]:
     record: dict[str, Any] = {
         "variant": variant.name,
         "run": ctx.run,
@@ -123,8 +125,10 @@ def _measure(variant: Variant, ctx: RunContext, quiet: dict[str, Any]) -> dict[s
         "quiet": quiet,
     }
     start = time.monotonic()
+    watch = RunWatch(gate.poll_s)
     try:
-        metrics = variant.run(ctx)
+        with watch:
+            metrics = variant.run(ctx)
         record["metrics"] = {k: _plain(v) for k, v in metrics.items()}
     except Exception as exc:
         # A failed measurement is recorded and left out of the summary; the
@@ -134,6 +138,7 @@ def _measure(variant: Variant, ctx: RunContext, quiet: dict[str, Any]) -> dict[s
         record["metrics"] = {}
         record["error"] = str(exc) if isinstance(exc, ThinvmError) else repr(exc)
     record["seconds"] = round(time.monotonic() - start, 2)
+    record["quiet"] = {**quiet, **watch.as_record()}
     record["load_end"] = _loadavg()
     record["info"] = ctx.info
     return record
