@@ -1,4 +1,4 @@
-"""sparse-ram with postcopy (qemu/patches 0012, 0016, 0022), real guest.
+"""sparse-ram with postcopy (qemu/patches 0012, 0021), real guest.
 
 QEMU's own test of "unpopulated at setup, written during the migration,
 still dirty at the switchover" (0014, dirty-at-switchover) writes with
@@ -110,7 +110,7 @@ def test_postcopy_fetches_pages_written_into_holes_during_precopy(
     page written is dirty at the switchover, and those that were holes
     were never sent before it.  The source lists them for discarding, and
     the destination must fetch them rather than place a zero page as for
-    the pages left out (0016).  Plain postcopy sends the rest uncapped, so
+    the pages left out (0012).  Plain postcopy sends the rest uncapped, so
     the guest's faults race the background; with preempt the background
     trickles and the guest's reads fetch the pages on the preempt channel.
     A lost write fails the pattern check and the checksum, which the guest
@@ -121,8 +121,8 @@ def test_postcopy_fetches_pages_written_into_holes_during_precopy(
     dirty log is TCG's own: the guest's stores set QEMU's dirty bitmap
     through the softmmu TLB, and the bitmap sync at the switchover
     collects them.  So this covers the real guest's writes, the bitmap
-    sync and 0022's second look at the hole runs (which must not drop what
-    is written after it); 0022's clear of the remote dirty log is a no-op
+    sync and 0021's second look at the hole runs (which must not drop what
+    is written after it); 0021's clear of the remote dirty log is a no-op
     under TCG, as only KVM's memory listener has log_clear.  The KVM
     dirty-log ioctls are exercised only on a host where the probe picks
     KVM, and then by this same test.

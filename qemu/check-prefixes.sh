@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Build every prefix of the patch series: the series must be bisectable,
+# each patch building on its own (issue 49).
+#
+#   qemu/check-prefixes.sh [--from N]
+#
+# Works on a git worktree of the dev tree (qemu/dev-tree.sh init) at
+# $THINVM_CACHE/qemu/prefix-tree with a build directory of its own,
+# configured once as qemu/build.sh configures the patched build; each
+# prefix rebuilds what its patch changed (ccache shared with the other
+# builds).  Builds QEMU and the qtest binaries the series touches at
+# every prefix; the qtests themselves run on the whole series
+# (qemu/run-qtests.sh), as their list names tests of later patches.
+# Prints one line per prefix; exit status 0 only if all built.
+set -euo pipefail
+
+cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
+venv=${THINVM_VENV:-$cache/venv}
+dev=$cache/qemu/dev
+tree=$cache/qemu/prefix-tree
+build=$tree/build
+from=1
+
+log() { printf '[qemu/prefixes] %s\n' "$*" >&2; }
+die() { printf '[qemu/prefixes] error: %s\n' "$*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+	case $1 in
+	--from) from=$2; shift 2 ;;
+	*) die "usage: qemu/check-prefixes.sh [--from N]" ;;
+	esac
+done
+[ -d "$dev/.git" ] || die "no dev tree at $dev: run qemu/dev-tree.sh init"
+
+export CCACHE_DIR=$cache/ccache CCACHE_BASEDIR=$cache/qemu CCACHE_NOHASHDIR=true
+
+mapfile -t commits < <(git -C "$dev" rev-list --reverse base..HEAD)
+[ ${#commits[@]} -gt 0 ] || die "no commits above 'base' in $dev"
+if [ ! -d "$tree" ]; then
+	git -C "$dev" worktree add -q --detach "$tree" base
+fi
+git -C "$tree" checkout -q --detach "${commits[$((from - 1))]}"
+
+# The arguments of qemu/build.sh's configure_build() for the patched build.
+if [ ! -f "$build/build.ninja" ]; then
+	log "configuring $build"
+	mkdir -p "$build"
+	cc=gcc
+	command -v ccache >/dev/null && cc="ccache gcc"
+	(cd "$build" && "$tree/configure" --cc="$cc" --python="$venv/bin/python3" \
+		--target-list=x86_64-softmmu --enable-kvm --enable-tcg --enable-zstd \
+		--disable-docs --disable-install-blobs --disable-download \
+		--disable-user --disable-tools --disable-guest-agent \
+		--disable-gtk --disable-sdl --disable-vnc --disable-opengl \
+		--disable-spice --disable-curses --disable-xen \
+		--disable-werror --with-pkgversion=thinvm-prefix \
+		--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu) >&2 ||
+		die "configure failed"
+fi
+
+failed=0
+for ((i = from; i <= ${#commits[@]}; i++)); do
+	c=${commits[$((i - 1))]}
+	subject=$(git -C "$dev" log -1 --format=%s "$c")
+	git -C "$tree" checkout -q --detach "$c"
+	targets=qemu-system-x86_64
+	for t in qos-test virtio-balloon-test migration-test; do
+		[ -f "$tree/tests/qtest/$t.c" ] && targets+=" tests/qtest/$t"
+	done
+	start=$(date +%s)
+	if ! ninja -C "$build" -j"$(nproc)" $targets >"$build/prefix-$i.log" 2>&1; then
+		printf 'FAIL  %02d %s (build, %s)\n' "$i" "$subject" "$build/prefix-$i.log"
+		failed=1
+		continue
+	fi
+	printf 'ok    %02d %s (%ss)\n' "$i" "$subject" "$(($(date +%s) - start))"
+done
+exit $failed
