@@ -457,7 +457,7 @@ def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
         there = migrate.migrate(h1, h3, name, parallel=2)
         assert guest.domstate(h3, name) == "running" and guest.domstate(h1, name) == "absent"
         verify_pattern(h3, name, 21)
-        # No capability: thinvm's QEMU skips over multifd by itself (0023).
+        # No capability: thinvm's QEMU skips over multifd by itself (0022).
         assert "sparse-ram" not in there.capabilities, there.capabilities
         assert there.ram.get("sparse-skipped", 0) * 4096 > MEMORY // 4, there.ram
 

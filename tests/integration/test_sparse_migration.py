@@ -331,7 +331,7 @@ def test_stock_qemu_does_not_know_the_capability(make_vm: VMFactory) -> None:
 def test_stock_destination_loads_a_sparse_multifd_stream(
     make_vm: VMFactory, tmp_path: Path
 ) -> None:
-    """thinvm host -> a host still on stock QEMU, as in a rolling upgrade (patch 0022).
+    """thinvm host -> a host still on stock QEMU, as in a rolling upgrade (patch 0021).
 
     Over multifd, a stock destination already takes its fresh memory to be
     zero (it never clears a zero page it receives first), so the source
@@ -358,7 +358,7 @@ def test_stock_destination_loads_a_sparse_multifd_stream(
 def test_stock_destination_loads_a_main_channel_stream_left_sparse(
     make_vm: VMFactory, tmp_path: Path
 ) -> None:
-    """thinvm host -> stock QEMU on the main channel, no capability (0029).
+    """thinvm host -> stock QEMU on the main channel, no capability (0028).
 
     With x-sparse-ram-main (on in pc-q35-10.0-thinvm) the source leaves
     out what it holds nothing for, ballooned pages included, on the plain

@@ -54,7 +54,7 @@ def test_thinvm_domain_has_every_feature() -> None:
     args = [a.get("value") for a in root.iter(f"{Q}arg")]
     # The capability is all the command line carries: no monitor of ours.
     assert args == ["-global", "migration.sparse-ram=on"]
-    # Page ranges come with the machine type (QEMU 0025): no override.
+    # Page ranges come with the machine type (QEMU 0024): no override.
     assert root.find("os/type").get("machine") == "pc-q35-10.0-thinvm"  # type: ignore[union-attr]
     assert root.find(f"{Q}override") is None
     assert has_ranges(domain_xml(spec(sparse_ram="sparse-ram")))

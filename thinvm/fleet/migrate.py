@@ -285,8 +285,8 @@ def clear_sparse_ram(source: Host, name: str) -> None:
     guest, where it is on (set by hand, or by an older thinvm).
 
     A portable guest needs no capability: over multifd thinvm's QEMU leaves
-    unpopulated pages out by itself (QEMU 0023, x-sparse-ram-multifd), for
-    any destination, a stock QEMU included (0022).  Over the main channel
+    unpopulated pages out by itself (QEMU 0022, x-sparse-ram-multifd), for
+    any destination, a stock QEMU included (0021).  Over the main channel
     the capability would ask the destination to take part, and a stock
     one refuses the stream."""
     cap = emulator.sparse_ram_capability()

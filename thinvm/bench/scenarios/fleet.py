@@ -161,7 +161,7 @@ def candidate_run(c: Candidate) -> FleetRun:
 # thinvm's best option on a source host whose destination runs Debian's
 # QEMU: no ranges (the guest would see a device property the destination
 # lacks) and no sparse-ram capability; thinvm-qemu skips over multifd
-# without it (QEMU 0023).
+# without it (QEMU 0022).
 THINVM_TO_STOCK = FleetRun(
     replace(THINVM, ranges=False, sparse=False), cluster="packaged", to_build="stock"
 )
@@ -388,7 +388,7 @@ def packaged_rows(
             make(THINVM_TO_STOCK),
             "packaged hosts: a portable guest on thinvm-qemu (h1) migrated to Debian's "
             "QEMU (h4), <emulator> switched by fleet migrate; our driver, reporting, "
-            "multifd (2 channels), no ranges, no sparse-ram capability (0023 skips)",
+            "multifd (2 channels), no ranges, no sparse-ram capability (0022 skips)",
             reference=reference,
         )
     )
