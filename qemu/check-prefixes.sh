@@ -39,6 +39,11 @@ mapfile -t commits < <(git -C "$dev" rev-list --reverse base..HEAD)
 if [ ! -d "$tree" ]; then
 	git -C "$dev" worktree add -q --detach "$tree" base
 fi
+# The subprojects Debian's source ships unpacked are not in git (ignored):
+# configure --disable-download needs them, and no patch touches them.
+for d in "$dev"/subprojects/*/; do
+	[ -d "$tree/subprojects/$(basename "$d")" ] || cp -a "$d" "$tree/subprojects/"
+done
 git -C "$tree" checkout -q --detach "${commits[$((from - 1))]}"
 
 # The arguments of qemu/build.sh's configure_build() for the patched build.
