@@ -13,8 +13,9 @@ from thinvm.bench import cpu as bench_cpu
 from thinvm.bench import results as bench_results
 from thinvm.bench import runner
 from thinvm.bench.probe import SyscallCounter
-from thinvm.bench.scenarios.transport import Transport, side_cpus
+from thinvm.bench.scenarios.transport import Transport
 from thinvm.bench.types import BenchOptions
+from thinvm.host.cpus import side_cpus
 from thinvm.progress import ProgressLine
 from thinvm.testing.keptboot import KeptBootVM
 from thinvm.units import MiB

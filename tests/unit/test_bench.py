@@ -866,7 +866,7 @@ def test_one_vm_config_for_every_benchmark_guest() -> None:
 
 
 def test_the_sides_of_a_migration_split_the_cpus_in_two() -> None:
-    from thinvm.bench.scenarios.transport import side_cpus
+    from thinvm.host.cpus import side_cpus
 
     assert side_cpus({0}) is None
     assert side_cpus({0, 1}) == ([0], [1])

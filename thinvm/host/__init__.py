@@ -1,4 +1,4 @@
-"""The host: its memory, pressure, cgroups and huge pages, as VMs and the pool see them.
+"""The host: memory, pressure, cgroups, huge pages and CPUs, as VMs and the pool see them.
 
 Shared by the warm pool (thinvm.pool) and the balance controller; nothing
 here knows about either.

@@ -75,6 +75,12 @@ def set_parameters(vm: VM, params: dict[str, Any]) -> None:
         vm.qmp("migrate-set-parameters", **params)
 
 
+def downtime_limit_ms(vm: VM) -> int:
+    """The VM's `downtime-limit` migration parameter (QEMU's default is 300
+    ms): how long, at most, a migration from it plans to stop the guest."""
+    return int(vm.qmp("query-migrate-parameters")["downtime-limit"])
+
+
 def start_incoming(dst: VM, port: int) -> str:
     uri = f"tcp:127.0.0.1:{port}"
     dst.qmp("migrate-incoming", uri=uri)

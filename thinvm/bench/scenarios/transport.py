@@ -10,6 +10,7 @@ from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.probe import VethLink, in_netns, veth_link
 from thinvm.bench.types import Metrics, RunContext
 from thinvm.errors import ThinvmError
+from thinvm.host.cpus import side_cpus
 from thinvm.host.memory import warm_free_memory
 from thinvm.units import MiB
 from thinvm.vm import migrate
@@ -72,18 +73,6 @@ def progress_sample(info: dict[str, Any]) -> dict[str, Any]:
     if "expected-downtime" in info:
         sample["expected_downtime_ms"] = info["expected-downtime"]
     return sample
-
-
-def side_cpus(allowed: set[int] | None = None) -> tuple[list[int], list[int]] | None:
-    """The CPUs of the source side (its QEMU, the guest's vCPUs with it)
-    and of the destination: the CPUs this process may use, split in two
-    halves, so that neither side of a migration can starve the other, as
-    on two hosts.  None with a single CPU: nothing to split."""
-    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
-    if len(cpus) < 2:
-        return None
-    half = len(cpus) // 2
-    return cpus[:half], cpus[half:]
 
 
 class Transport:
