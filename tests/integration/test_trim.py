@@ -105,8 +105,6 @@ def stop_detached(vm: VM, name: str, env: dict[str, str]) -> None:
         vm.process.wait()
 
 
-# Classic LRU with the in-tree driver; MGLRU with ours (both report).
-@pytest.mark.parametrize(("kernel", "driver"), [("6.1", "stock"), ("6.12", "thinvm")])
 def read_cold_and_hot(agent: AgentClient) -> tuple[int, dict[str, Any]]:
     """The guest writes its pattern, reads the disk once and its hot subset
     five more times; its page cache then, and its reclaimer's status (off:
@@ -129,6 +127,8 @@ def read_cold_and_hot(agent: AgentClient) -> tuple[int, dict[str, Any]]:
     return cache_read, status
 
 
+# Classic LRU with the in-tree driver; MGLRU with ours (both report).
+@pytest.mark.parametrize(("kernel", "driver"), [("6.1", "stock"), ("6.12", "thinvm")])
 def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
     tmp_path: Path, run_env: dict[str, str], kernel: str, driver: str
 ) -> None:

@@ -152,7 +152,14 @@ def test_foreign_qemu_count_leaves_out_our_own(monkeypatch: pytest.MonkeyPatch) 
 def test_runs_record_what_the_gate_saw() -> None:
     runs, _ = runner.run_scenario(_scenario(), 1, _Quiet())  # type: ignore[arg-type]
     for run in runs:
-        assert set(run["quiet"]) == {"load", "other_qemu", "waited_s", "quiet"}
+        assert set(run["quiet"]) == {
+            "load",
+            "other_qemu",
+            "waited_s",
+            "quiet",
+            "other_qemu_during",
+            "looks_during",
+        }
         assert run["other_qemu"] == run["quiet"]["other_qemu"]
 
 
