@@ -6,8 +6,10 @@ import pytest
 
 from thinvm.balance.daemon import CycleReport
 from thinvm.balance.model import Decision, HostSample, Reclaimer, VmSample
+from thinvm.bench.results import evaluate_targets
 from thinvm.bench.scenarios import overcommit
 from thinvm.bench.scenarios.overcommit import (
+    FLOOR,
     GuestRun,
     Levers,
     Setup,
@@ -16,6 +18,8 @@ from thinvm.bench.scenarios.overcommit import (
     _metrics,
     _sweep_counts,
     _sweep_metrics,
+    anchor_floor,
+    density_targets,
 )
 from thinvm.bench.scenarios.params import check_params
 from thinvm.bench.types import BenchOptions, Metrics, RunContext
@@ -154,3 +158,30 @@ def test_reclaimer_counters_carry_what_reclaiming_cost() -> None:
     rec = Reclaimer.from_counters(counters)
     assert (rec.cpu_ms, rec.compactions, rec.cache_floor) == (2300, 7, 0)
     assert Reclaimer.from_counters({}) == Reclaimer(False, False)
+
+
+def test_the_anchors_keep_the_minimum_their_operators_set() -> None:
+    """Proxmox and MOM deployments set a balloon minimum at the guest's
+    working set; thinvm and the no-controller rows keep the default floor."""
+    wss = 640 * MiB
+    assert anchor_floor("proxmox", wss) == wss
+    assert anchor_floor("mom", wss) == wss
+    assert anchor_floor("thinvm", wss) == FLOOR
+    assert anchor_floor(None, wss) == FLOOR
+    assert anchor_floor("mom", 64 * MiB) == FLOOR  # never below the default
+
+
+def test_density_targets_read_anchor_over_thinvm() -> None:
+    """A target holds when the anchor's count is at most 1/1.5 of thinvm's:
+    3 guests against thinvm's 4 (x1.33) is not met, 2 against 4 is."""
+    targets = {t.variant: t for t in density_targets()}
+    assert set(targets) == {"reporting", "stock-reclaimer", "proxmox", "mom"}
+    for target in targets.values():
+        assert target.reference == "thinvm" and target.metric == "fit_guests"
+    summary = {
+        "thinvm": {"fit_guests": {"median": 4}},
+        "reporting": {"fit_guests": {"median": 3}},
+        "mom": {"fit_guests": {"median": 2}},
+    }
+    verdicts = {v["variant"]: v["met"] for v in evaluate_targets(summary, list(targets.values()))}
+    assert verdicts == {"reporting": False, "mom": True, "proxmox": None, "stock-reclaimer": None}

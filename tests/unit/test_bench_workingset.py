@@ -28,14 +28,25 @@ def test_defaults_are_the_issues_guest() -> None:
     assert scenario.params["multifd-channels"] == 2
 
 
-def test_rows_are_stock_best_dropcaches_and_thinvm_each_chosen_from_candidates() -> None:
+def test_rows_are_stock_best_dropcaches_reclaimer_and_thinvm_each_chosen_from_candidates() -> None:
     scenario = build()
     stock = [c.name for c in common.STOCK_CANDIDATES]
     thinvm = [c.name for c in common.THINVM_CANDIDATES]
     dropped = [f"{name}-dropcaches" for name in stock]
-    assert [b.name for b in scenario.best] == ["stock-best", "stock-best-dropcaches", "thinvm"]
-    assert [b.candidates for b in scenario.best] == [tuple(stock), tuple(dropped), tuple(thinvm)]
-    assert [v.name for v in scenario.variants] == [*stock, *dropped, *thinvm]
+    reclaimed = [f"{name}-reclaimer" for name in stock]
+    assert [b.name for b in scenario.best] == [
+        "stock-best",
+        "stock-best-dropcaches",
+        "stock-best-reclaimer",
+        "thinvm",
+    ]
+    assert [b.candidates for b in scenario.best] == [
+        tuple(stock),
+        tuple(dropped),
+        tuple(reclaimed),
+        tuple(thinvm),
+    ]
+    assert [v.name for v in scenario.variants] == [*stock, *dropped, *reclaimed, *thinvm]
     assert scenario.baseline_name == "stock-best"
     # The step before migrating counts: the rows are chosen by total_ms.
     assert scenario.choice_metric == "total_ms"
@@ -60,6 +71,8 @@ def test_targets_are_the_issues() -> None:
         ("stock-best", "total_ms"): pytest.approx(1 / 2),
         ("stock-best", "hot_reread_ms"): pytest.approx(1.2),
         ("stock-best-dropcaches", "hot_reread_ms"): pytest.approx(1.0),
+        ("stock-best-reclaimer", "total_ms"): pytest.approx(1.0),
+        ("stock-best-reclaimer", "src_cpu_s"): pytest.approx(1 / 2),
     }
 
 
