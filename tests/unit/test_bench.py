@@ -672,22 +672,27 @@ def test_migrate_scale_compares_each_size_with_stock_best_of_that_size() -> None
     assert (target.variant, target.reference, target.at_most) == ("64G-thinvm", "4G-thinvm", 1.5)
 
 
-def test_save_restore_saves_both_as_mapped_ram_over_multifd() -> None:
+def test_save_restore_chooses_stock_best_among_every_stock_way_to_save() -> None:
     scenario = bench_scenarios.get("save-restore").build(BenchOptions())
     assert scenario.baseline_name == "stock-best"
     assert scenario.params["used"] == "512.00 MiB"  # 1/8 of 4 GiB
     assert scenario.params["multifd-channels"] == 2
-    stacks = {name: (stack, extra) for name, stack, extra, _ in save.SAVE_STACKS}
-    best, best_extra = stacks["stock-best"]
-    assert {**best.caps, **best_extra} == {"multifd": True, "mapped-ram": True}
-    thinvm, thinvm_extra = stacks["thinvm"]
-    # The same format and channels as stock-best, plus sparse-ram.
-    assert {**thinvm.caps, **thinvm_extra} == {
+    saves = {c.name: c for c in save.STOCK_SAVES}
+    (best,) = scenario.best
+    assert best.candidates == tuple(saves) and scenario.choice_metric == "save_restore_ms"
+    assert [v.name for v in scenario.variants] == [*saves, "thinvm"]
+    parallel = saves["stock-mapped-mfd2"]
+    assert {**parallel.stack.caps, **parallel.extra} == {"multifd": True, "mapped-ram": True}
+    assert saves["stock-mapped-mfd1"].params == {"multifd-channels": 1}
+    assert saves["legacy"].stack.caps == {} and not saves["legacy"].extra
+    thinvm = save.THINVM_SAVE
+    # libvirt's parallel save's format and channels, plus sparse-ram.
+    assert {**thinvm.stack.caps, **thinvm.extra} == {
         "sparse-ram": True,
         "multifd": True,
         "mapped-ram": True,
     }
-    assert thinvm.driver == "thinvm" and thinvm.reporting and thinvm.ranges
+    assert thinvm.stack.driver == "thinvm" and thinvm.stack.reporting and thinvm.stack.ranges
     assert sorted(t.metric for t in scenario.targets) == ["file_bytes", "restore_ms", "save_ms"]
     assert all(t.at_most == 0.2 and t.reference == "stock-best" for t in scenario.targets)
 
