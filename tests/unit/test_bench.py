@@ -668,8 +668,17 @@ def test_migrate_scale_compares_each_size_with_stock_best_of_that_size() -> None
     assert refs["64G-thinvm"] == "64G-stock-best"
     assert refs["8G-legacy"] == "8G-stock-best"
     assert "64G-stock-best" not in refs  # growth against the baseline
-    (target,) = scenario.targets
-    assert (target.variant, target.reference, target.at_most) == ("64G-thinvm", "4G-thinvm", 1.5)
+    growth, faster, cpu = scenario.targets
+    assert (growth.variant, growth.reference, growth.at_most) == ("64G-thinvm", "4G-thinvm", 1.5)
+    # The big guest's targets (issue 48): time and the whole source's CPU.
+    assert (faster.variant, faster.reference, faster.metric) == (
+        "64G-thinvm",
+        "64G-stock-best",
+        "migration_ms",
+    )
+    assert faster.at_most == pytest.approx(1 / 3)
+    assert (cpu.variant, cpu.reference, cpu.metric) == ("64G-thinvm", "64G-stock-best", "src_cpu_s")
+    assert cpu.at_most == pytest.approx(1 / 10)
 
 
 def test_save_restore_chooses_stock_best_among_every_stock_way_to_save() -> None:
