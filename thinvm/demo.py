@@ -37,6 +37,7 @@ from typing import TypeVar
 
 from thinvm.guest import workload
 from thinvm.host.cpus import side_cpus
+from thinvm.host.memory import SETTLE_QUIET, SETTLE_STEP, wait_settled
 from thinvm.progress import ProgressLine
 from thinvm.units import GiB, MiB, format_size
 from thinvm.vm import balloon, migrate
@@ -48,12 +49,9 @@ PATTERN_SIZE = 256 * MiB
 PATTERN_SEED = 20261121
 # The balloon leaves the guest 1/KEEP of its memory, and stays inflated.
 KEEP = 4
-# The guest has settled once its host RSS moved by less than
-# SETTLE_TOLERANCE over the last SETTLE_WINDOW seconds, polled every
-# SETTLE_POLL seconds, for at most SETTLE_CAP seconds.
-SETTLE_POLL = 1.0
-SETTLE_WINDOW = 4.0
-SETTLE_TOLERANCE = 4 * MiB
+# The guest has settled by thinvm.host.memory's rule (host RSS has not
+# fallen by more than SETTLE_STEP for SETTLE_QUIET s), waited for at most
+# SETTLE_CAP seconds.
 SETTLE_CAP = 60.0
 STACKS = (("stock-best", STOCK_BEST), ("thinvm", THINVM))
 
@@ -83,46 +81,6 @@ class StackRun:
 
 
 # -- pure logic ---------------------------------------------------------------
-
-
-def rss_steady(
-    samples: Sequence[tuple[float, int]],
-    window: float = SETTLE_WINDOW,
-    tolerance: int = SETTLE_TOLERANCE,
-) -> bool:
-    """Whether host RSS is steady: samples (monotonic seconds, bytes), oldest
-    first, reach back at least `window` seconds from the newest, and from
-    the last one taken `window` or more seconds ago to the newest they span
-    less than `tolerance`."""
-    if not samples:
-        return False
-    since = samples[-1][0] - window
-    starts = [i for i, (t, _) in enumerate(samples) if t <= since]
-    if not starts:
-        return False
-    recent = [rss for _, rss in samples[starts[-1] :]]
-    return max(recent) - min(recent) < tolerance
-
-
-def settle(
-    sample: Callable[[], int],
-    cap: float = SETTLE_CAP,
-    poll: float = SETTLE_POLL,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> tuple[float, bool]:
-    """Sample RSS every `poll` seconds until rss_steady or `cap` seconds
-    have passed; returns (seconds taken, whether it was steady)."""
-    start = clock()
-    samples: list[tuple[float, int]] = []
-    while True:
-        now = clock()
-        samples.append((now, sample()))
-        if rss_steady(samples):
-            return now - start, True
-        if now - start >= cap:
-            return now - start, False
-        sleep(poll)
 
 
 def describe_placement(sides: Sides) -> str:
@@ -248,10 +206,10 @@ def _prepare(src: VM, steps: list[Step], memory: int) -> None:
     seconds = balloon.move(src, keep, back_to=memory, timeout=60 + 30 * memory / GiB)
     _record(steps, src, "inflate balloon (kept)", seconds, f"guest keeps {format_size(keep)}")
 
-    seconds, steady = settle(lambda: src.host_memory().rss)
-    window = f"< {format_size(SETTLE_TOLERANCE)} in {SETTLE_WINDOW:.0f} s"
-    note = f"host RSS steady ({window})" if steady else f"not steady ({window}) by the cap"
-    _record(steps, src, "guest settles", seconds, note)
+    settled = wait_settled(lambda: src.host_memory().rss, SETTLE_CAP)
+    rule = f"fell < {format_size(SETTLE_STEP)} in {SETTLE_QUIET:.0f} s"
+    note = f"host RSS steady ({rule})" if settled.settled else f"still falling by the cap ({rule})"
+    _record(steps, src, "guest settles", settled.seconds, note)
 
 
 def _migrate(src: VM, dst: VM, stack: Stack, steps: list[Step]) -> migrate.MigrationResult:

@@ -886,3 +886,14 @@ def test_the_sides_of_a_migration_split_the_cpus_in_two() -> None:
     assert side_cpus({0, 1}) == ([0], [1])
     assert side_cpus({0, 1, 2, 3}) == ([0, 1], [2, 3])
     assert side_cpus({1, 2, 5}) == ([1], [2, 5])
+
+
+def test_migrate_scale_of_one_size_still_judges_it_against_stock_best() -> None:
+    """`--size 128G --param from=128G` (how the 128 GiB records are made):
+    no growth target, but the issue's 3x and 1/10-CPU targets."""
+    options = BenchOptions(size=128 * GiB, params={"from": "128G"})
+    scenario = bench_scenarios.get("migrate-scale").build(options)
+    assert [(t.reference, t.metric) for t in scenario.targets] == [
+        ("128G-stock-best", "migration_ms"),
+        ("128G-stock-best", "src_cpu_s"),
+    ]

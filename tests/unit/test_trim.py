@@ -105,21 +105,6 @@ def test_request_carries_bounds_and_returns_the_answer(
     assert seen == [f"TRIM {64 << 20} 2500"]
 
 
-def test_wait_settled_stops_once_rss_is_quiet() -> None:
-    values = iter([1000 << 20, 900 << 20, 700 << 20, 600 << 20] + [599 << 20] * 100)
-    rss, seconds = trim.wait_settled(lambda: next(values), timeout=30, quiet=0.2, poll=0.05)
-    assert rss == 599 << 20 and seconds < 5
-
-
-def test_wait_settled_stops_once_rss_fell_by_enough_without_waiting_for_quiet() -> None:
-    # Falls 100 MiB per poll for ever: only `enough` can end the wait early.
-    values = iter(range(4000 << 20, 0, -(100 << 20)))
-    rss, seconds = trim.wait_settled(
-        lambda: next(values), timeout=30, quiet=10, poll=0.01, enough=300 << 20
-    )
-    assert rss == 3700 << 20 and seconds < 5
-
-
 def test_expected_return_is_most_of_what_the_guest_freed() -> None:
     reply = {"free_before": 100 << 20, "free_after": 1100 << 20}
     assert trim.expected_return(reply) == int(0.9 * (1000 << 20))

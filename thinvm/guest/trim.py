@@ -9,13 +9,13 @@ QEMU process's RSS has stopped falling.
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from thinvm.errors import GuestError
 from thinvm.guest.agent import AgentClient
+from thinvm.host.memory import wait_settled
 from thinvm.units import MiB, format_size
 
 # A guest agent that does not PONG within this long is taken as absent.
@@ -23,12 +23,6 @@ SYNC_TIMEOUT = 10.0
 # Compaction runs after the trim's own time bound; under TCG it takes
 # seconds for a few GiB.
 COMPACT_SLACK = 60.0
-# RSS has settled when it has not fallen by more than SETTLE_STEP for
-# SETTLE_QUIET seconds: reporting starts 2 s after a free, so 4 s of
-# quiet means it has nothing left to report.
-SETTLE_QUIET = 4.0
-SETTLE_STEP = 2 * MiB
-SETTLE_POLL = 0.5
 # Reporting hands back free 2 MiB blocks; once RSS has fallen by this
 # share of what the guest's free memory grew by, the rest is the part
 # too fragmented to report, and waiting out the quiet time gains little.
@@ -112,31 +106,6 @@ def request_trim(
     return reply, ""
 
 
-def wait_settled(
-    read_rss: Callable[[], int],
-    timeout: float,
-    quiet: float = SETTLE_QUIET,
-    poll: float = SETTLE_POLL,
-    enough: int = 0,
-) -> tuple[int, float]:
-    """Poll RSS until it stops falling, or has fallen by `enough` bytes (if
-    not 0), or `timeout`; (last RSS, seconds)."""
-    start = time.monotonic()
-    low = rss = first = read_rss()
-    last_drop = start
-    while time.monotonic() - start < timeout:
-        time.sleep(poll)
-        rss = read_rss()
-        now = time.monotonic()
-        if enough and first - rss >= enough:
-            break
-        if rss < low - SETTLE_STEP:
-            low, last_drop = rss, now
-        elif now - last_drop >= quiet:
-            break
-    return rss, time.monotonic() - start
-
-
 def trim_guest(
     agent: AgentClient,
     read_rss: Callable[[], int],
@@ -156,8 +125,8 @@ def trim_guest(
         return TrimResult(True, note, rss_before, read_rss(), 0.0, reply)
     if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM:
         return TrimResult(True, "", rss_before, read_rss(), 0.0, reply)
-    rss_after, seconds = wait_settled(read_rss, settle_timeout, enough=expected_return(reply))
-    return TrimResult(True, "", rss_before, rss_after, seconds, reply)
+    settled = wait_settled(read_rss, settle_timeout, enough=expected_return(reply))
+    return TrimResult(True, "", rss_before, settled.value, settled.seconds, reply)
 
 
 def expected_return(reply: dict[str, Any]) -> int:

@@ -3,10 +3,11 @@
 import contextlib
 import mmap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from thinvm.units import KiB
+from thinvm.units import KiB, MiB
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,59 @@ class HostMemory:
     anon_huge: int
     shmem: int
     swap: int
+
+
+# A reading (a QEMU's RSS, a cgroup's usage) has settled when it has not
+# fallen by more than SETTLE_STEP for SETTLE_QUIET seconds: free page
+# reporting starts 2 s after a free and returns a pass every 2 s, so 4 s
+# without a drop means it has given back what it will.
+SETTLE_QUIET = 4.0
+SETTLE_STEP = 2 * MiB
+SETTLE_POLL = 0.5
+
+
+@dataclass(frozen=True)
+class Settled:
+    """How a wait for a falling reading ended."""
+
+    value: int  # the last reading
+    seconds: float  # how long the wait took
+    last_drop_s: float  # when the reading last fell by more than the step
+    settled: bool  # False: the timeout ended it while it still fell
+
+
+def wait_settled(
+    read: Callable[[], int],
+    timeout: float,
+    *,
+    quiet: float = SETTLE_QUIET,
+    step: int = SETTLE_STEP,
+    poll: float = SETTLE_POLL,
+    enough: int = 0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Settled:
+    """Poll `read` every `poll` s until it has not fallen by more than
+    `step` for `quiet` s, or has fallen by `enough` bytes in all (if not
+    0: the caller knows what to expect and need not wait out the quiet), or
+    `timeout` s have passed.  The one settle rule of the demo, the trims
+    and the benchmarks."""
+    start = clock()
+    first = low = value = read()
+    last_drop = start
+    while True:
+        now = clock()
+        if now - last_drop >= quiet:
+            return Settled(value, now - start, last_drop - start, True)
+        if now - start >= timeout:
+            return Settled(value, now - start, last_drop - start, False)
+        sleep(poll)
+        value = read()
+        now = clock()
+        if enough and first - value >= enough:
+            return Settled(value, now - start, now - start, True)
+        if value < low - step:
+            low, last_drop = value, now
 
 
 def _smaps_rollup(pid: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ from typing import Any
 from thinvm.bench.types import Best, Metrics, RunContext, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
-from thinvm.host.memory import host_meminfo
+from thinvm.host.memory import host_meminfo, wait_settled
 from thinvm.units import MiB, format_size
 from thinvm.vm.machine import VM
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
@@ -181,7 +181,7 @@ def hold_then_idle(
     time.sleep(idle)
     if stack.reporting:
         ctx.step("waiting for free page reporting to settle")
-        settle(lambda: src.host_memory().rss, timeout=60)
+        wait_settled(lambda: src.host_memory().rss, timeout=60)
     metrics["src_rss_bytes"] = src.host_memory().rss
     return metrics
 
@@ -212,23 +212,3 @@ def verify_pattern(dst: VM, ctx: RunContext, seed: int) -> None:
 def parallel(vms: list[VM], func: Callable[[VM], Any]) -> list[Any]:
     with ThreadPoolExecutor(max_workers=len(vms)) as pool:
         return list(pool.map(func, vms))
-
-
-def settle(
-    measure: Callable[[], int], timeout: float, quiet: float = 4.0, step: int = 8 * MiB
-) -> tuple[int, float]:
-    """Poll `measure` until it has not fallen by more than `step` for `quiet` s.
-
-    Returns the final value and when the last such drop happened.
-    """
-    start = time.monotonic()
-    low, last_drop = measure(), start
-    while True:
-        now = time.monotonic()
-        if now - last_drop >= quiet or now - start >= timeout:
-            break
-        time.sleep(0.5)
-        current = measure()
-        if current < low - step:
-            low, last_drop = current, time.monotonic()
-    return measure(), last_drop - start

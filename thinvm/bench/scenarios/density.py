@@ -12,7 +12,6 @@ from thinvm.bench.probe import (
 from thinvm.bench.scenarios.common import (
     TOUCH_LEAVE,
     parallel,
-    settle,
 )
 from thinvm.bench.scenarios.params import (
     float_param,
@@ -21,8 +20,12 @@ from thinvm.bench.scenarios.params import (
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
-from thinvm.units import format_size, parse_size
+from thinvm.host.memory import wait_settled
+from thinvm.units import MiB, format_size, parse_size
 from thinvm.vm.machine import VM
+
+# Several guests' memory together moves in bigger steps than one guest's.
+DENSITY_SETTLE_STEP = 8 * MiB
 
 
 def make_density(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -56,7 +59,8 @@ def make_density(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
                     touched = parallel(vms, touch)
                     peak = held()
                     ctx.step("waiting for host memory to settle")
-                    final, settle_s = settle(held, settle_max)
+                    settled = wait_settled(held, settle_max, step=DENSITY_SETTLE_STEP)
+                    final, settle_s = settled.value, settled.last_drop_s
             assert counter.counts is not None
             return {
                 "held_bytes": final,
@@ -115,7 +119,7 @@ def make_density_budget(opts: BenchOptions, params: dict[str, str], size: int) -
                         free = workload.meminfo(vm.agent)["MemFree"] - TOUCH_LEAVE
                         ctx.step(f"guest {i + 1}: touching and freeing")
                         workload.touch(vm.agent, max(0, min(int(size * fraction), free)))
-                        settle(cgroup.usage, settle_max)
+                        wait_settled(cgroup.usage, settle_max, step=DENSITY_SETTLE_STEP)
                     except ThinvmError as exc:
                         ctx.note("stopped_by", str(exc)[:300])
                         break

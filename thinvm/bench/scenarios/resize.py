@@ -22,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from thinvm.bench.scenarios.common import TOUCH_LEAVE, settle, touch_most
+from thinvm.bench.scenarios.common import TOUCH_LEAVE, touch_most
 from thinvm.bench.scenarios.params import float_param, size_param
 from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transport
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
+from thinvm.host.memory import wait_settled
 from thinvm.units import GiB, MiB, format_size
 from thinvm.vm import balloon, resize
 from thinvm.vm.machine import VM, VMConfig
@@ -163,11 +164,11 @@ def make_resize(opts: BenchOptions, params: dict[str, str], size: int) -> Scenar
                 ctx.step("guest touches and frees most of its memory")
                 metrics.update(touch_most(src, leave=guest_leave(size)))
                 ctx.step("waiting for free page reporting to settle")
-                metrics["rss_before_bytes"], _ = settle(lambda: src.host_memory().rss, 60)
+                metrics["rss_before_bytes"] = wait_settled(lambda: src.host_memory().rss, 60).value
                 metrics["memmap_full_bytes"] = guest_memmap_bytes(src)
                 ctx.step(f"shrinking to {format_size(small)}")
                 metrics["shrink_ms"] = 1000 * shrink(src, lever, small, timeout)
-                metrics["rss_shrunk_bytes"], _ = settle(lambda: src.host_memory().rss, 30)
+                metrics["rss_shrunk_bytes"] = wait_settled(lambda: src.host_memory().rss, 30).value
                 metrics["memmap_shrunk_bytes"] = guest_memmap_bytes(src)
                 time.sleep(idle)
                 with transport.start(config, incoming=True) as dst:

@@ -35,7 +35,6 @@ from thinvm.bench.scenarios.common import (
     THINVM_CANDIDATES,
     Candidate,
     chosen_row,
-    settle,
     timed_in_guest,
     verify_pattern,
 )
@@ -44,6 +43,7 @@ from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transpo
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim, workload
+from thinvm.host.memory import wait_settled
 from thinvm.units import KiB, MiB, format_size
 from thinvm.vm import trim as vm_trim
 from thinvm.vm.machine import VM
@@ -252,8 +252,8 @@ def drop_caches(ctx: RunContext, src: VM) -> Metrics:
         ctx.step("waiting for free page reporting to settle")
         # The same rule as the trim's wait, so the two steps compare.
         enough = trim.expected_return({"free_before": free_before, "free_after": free_after})
-        _, seconds = trim.wait_settled(lambda: src.host_memory().rss, SETTLE_TIMEOUT, enough=enough)
-        return {"trim_settle_s": seconds}
+        settled = wait_settled(lambda: src.host_memory().rss, SETTLE_TIMEOUT, enough=enough)
+        return {"trim_settle_s": settled.seconds}
     return {}
 
 
@@ -352,7 +352,7 @@ def working_set_migration(
             metrics = load_working_set(ctx, src, plan, disk.source)
             if stack.reporting:
                 ctx.step("waiting for free page reporting to settle")
-                settle(lambda: src.host_memory().rss, timeout=SETTLE_TIMEOUT)
+                wait_settled(lambda: src.host_memory().rss, timeout=SETTLE_TIMEOUT)
             metrics.update(prepared(ctx, src, prepare))
             # A debian guest's destination opens the source's root disk.
             with transport.start(src.incoming_config(), incoming=True) as dst:
