@@ -2,16 +2,17 @@
 # Build every prefix of the patch series: the series must be bisectable,
 # each patch building on its own (issue 49).
 #
-#   qemu/check-prefixes.sh [--from N]
+#   qemu/check-prefixes.sh [--from N] [--qtests]
 #
 # Works on a git worktree of the dev tree (qemu/dev-tree.sh init) at
 # $THINVM_CACHE/qemu/prefix-tree with a build directory of its own,
 # configured once as qemu/build.sh configures the patched build; each
 # prefix rebuilds what its patch changed (ccache shared with the other
 # builds).  Builds QEMU and the qtest binaries the series touches at
-# every prefix; the qtests themselves run on the whole series
-# (qemu/run-qtests.sh), as their list names tests of later patches.
-# Prints one line per prefix; exit status 0 only if all built.
+# every prefix; with --qtests also runs, at every prefix, each of
+# qemu/run-qtests.sh's tests that the prefix already has (each must pass
+# with the patches it came with, not only on the whole series).
+# Prints one line per prefix; exit status 0 only if all built (and passed).
 set -euo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
@@ -20,6 +21,8 @@ dev=$cache/qemu/dev
 tree=$cache/qemu/prefix-tree
 build=$tree/build
 from=1
+qtests=0
+here=$(cd "$(dirname "$0")" && pwd)
 
 log() { printf '[qemu/prefixes] %s\n' "$*" >&2; }
 die() { printf '[qemu/prefixes] error: %s\n' "$*" >&2; exit 1; }
@@ -27,7 +30,8 @@ die() { printf '[qemu/prefixes] error: %s\n' "$*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
 	case $1 in
 	--from) from=$2; shift 2 ;;
-	*) die "usage: qemu/check-prefixes.sh [--from N]" ;;
+	--qtests) qtests=1; shift ;;
+	*) die "usage: qemu/check-prefixes.sh [--from N] [--qtests]" ;;
 	esac
 done
 [ -d "$dev/.git" ] || die "no dev tree at $dev: run qemu/dev-tree.sh init"
@@ -63,6 +67,15 @@ if [ ! -f "$build/build.ninja" ]; then
 		die "configure failed"
 fi
 
+# The qtests run QEMU from the build tree, which looks for firmware in its
+# qemu-bundle: Debian's source leaves the blobs out (qemu/build.sh's
+# link_firmware() does the same for the patched build).
+data=$build/qemu-bundle/usr/local/share/qemu
+mkdir -p "$data"
+for f in /usr/share/seabios/* /usr/share/qemu/* /usr/lib/ipxe/qemu/*; do
+	[ -e "$f" ] && ln -sfn "$f" "$data/$(basename "$f")"
+done
+
 failed=0
 for ((i = from; i <= ${#commits[@]}; i++)); do
 	c=${commits[$((i - 1))]}
@@ -78,6 +91,13 @@ for ((i = from; i <= ${#commits[@]}; i++)); do
 		failed=1
 		continue
 	fi
-	printf 'ok    %02d %s (%ss)\n' "$i" "$subject" "$(($(date +%s) - start))"
+	if [ $qtests = 1 ] && ! "$here/run-qtests.sh" --build "$build" --available \
+		>"$build/prefix-$i.qtests" 2>&1; then
+		printf 'FAIL  %02d %s (qtests, %s)\n' "$i" "$subject" "$build/prefix-$i.qtests"
+		failed=1
+		continue
+	fi
+	printf 'ok    %02d %s (%ss%s)\n' "$i" "$subject" "$(($(date +%s) - start))" \
+		"$([ $qtests = 1 ] && echo ", $(grep -c '^ok' "$build/prefix-$i.qtests") qtests")"
 done
 exit $failed

@@ -11,18 +11,25 @@
 #                               TSan reports a race with a frame in
 #                               sparse-ram's code
 #   --match REGEX               only the tests whose path matches (grep -P)
+#   --build DIR                 against the build tree DIR (a prefix of
+#                               the series, qemu/check-prefixes.sh --qtests)
+#   --available                 only the tests below that DIR's binaries
+#                               offer: a prefix has the tests of the
+#                               patches it holds, and each must pass there
 set -uo pipefail
 
 cache=${THINVM_CACHE:-$HOME/.cache/thinvm}
 build=$cache/qemu/patched-src/build
 venv=${THINVM_VENV:-$cache/venv}
 top=$(cd "$(dirname "$0")/.." && pwd)
-tsan=0 match=
+tsan=0 match= available=0
 while [ $# -gt 0 ]; do
 	case $1 in
 	--tsan) tsan=1 build=$cache/qemu/patched-src/build-tsan ;;
 	--match) match=$2; shift ;;
-	*) echo "usage: $0 [--tsan] [--match REGEX]" >&2; exit 2 ;;
+	--build) build=$2; shift ;;
+	--available) available=1 ;;
+	*) echo "usage: $0 [--tsan] [--match REGEX] [--build DIR] [--available]" >&2; exit 2 ;;
 	esac
 	shift
 done
@@ -110,7 +117,26 @@ if [ -n "$match" ]; then
 	tests=("${selected[@]}")
 fi
 
+if [ $available = 1 ]; then
+	# Each binary's list once, read in full (grep -q would close the pipe
+	# early, and with pipefail the binary's SIGPIPE would read as absent).
+	declare -A offered=()
+	for bin in qos-test virtio-balloon-test migration-test; do
+		[ -x "$build/tests/qtest/$bin" ] &&
+			offered[$bin]=$(cd "$build" && QTEST_QEMU_BINARY=./qemu-system-x86_64 \
+				"./tests/qtest/$bin" -l 2>/dev/null)
+	done
+	selected=()
+	for pair in "${tests[@]}"; do
+		bin=${pair%%:*}
+		grep -qxF -- "${pair#*:}" <<<"${offered[$bin]:-}" && selected+=("$pair")
+	done
+	[ ${#selected[@]} -gt 0 ] || { echo "# no thinvm qtest in $build yet"; exit 0; }
+	tests=("${selected[@]}")
+fi
+
 for bin in $([ $tsan = 1 ] || echo qos-test virtio-balloon-test) migration-test; do
+	[ $available = 1 ] && continue
 	[ -x "$build/tests/qtest/$bin" ] || {
 		echo "no $bin in $build: run qemu/build.sh patched" >&2
 		exit 2
