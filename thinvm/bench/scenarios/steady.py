@@ -30,6 +30,7 @@ from thinvm.bench.scenarios.workingset import DEBIAN_BOOT_TIMEOUT, DataDisk, mou
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim, workload
+from thinvm.host.procs import process_cpu
 from thinvm.units import MiB, format_size
 from thinvm.vm.machine import VM
 from thinvm.vm.stack import Stack
@@ -60,11 +61,12 @@ def _variants() -> list[tuple[Candidate, bool]]:
     ]
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system time of a process so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime, stime in clock ticks (USER_HZ)
+def qemu_cpu_seconds(vm: VM) -> float:
+    """The whole QEMU process's CPU seconds so far (thinvm.host.procs)."""
+    seconds = process_cpu(vm.pid or 0)
+    if seconds is None:
+        raise ThinvmError(f"{vm.config.name}: its QEMU is gone")
+    return seconds
 
 
 def reclaimer_cpu_ms(vm: VM) -> int:
@@ -128,10 +130,10 @@ def steady_run(
             ctx.step(f"guest reads its {format_size(data)} data set once")
             vm.agent.check(workload.read_disk_command(data, source=disk.source.path), timeout=600)
             cached = workload.meminfo(vm.agent)["Cached"]
-            qemu_cpu, agent_ms = process_cpu_seconds(vm.pid), reclaimer_cpu_ms(vm)
+            qemu_cpu, agent_ms = qemu_cpu_seconds(vm), reclaimer_cpu_ms(vm)
             window = minutes * 60
             samples = sample_rss(vm, window, ctx)
-            qemu_cpu = process_cpu_seconds(vm.pid) - qemu_cpu
+            qemu_cpu = qemu_cpu_seconds(vm) - qemu_cpu
             agent_ms = reclaimer_cpu_ms(vm) - agent_ms
             ctx.note("rss_samples", samples)
             figures = window_figures(samples)
