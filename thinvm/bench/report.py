@@ -85,6 +85,10 @@ LABELS = {
     # how cold the lab host was, outside the measurement.
     "host_warmed_bytes": "host memory warmed before",
     "host_warm_s": "host warm-up (not measured)",
+    # During the migration (thinvm.bench.hostcost): what the lab host
+    # charged for fresh memory, per GiB faulted in.
+    "host_fault_s_per_gib": "host fault cost during run (s/GiB)",
+    "host_fault_max_s_per_gib": "host fault cost, worst (s/GiB)",
     # migrate-working-set: the step before the migration (drop_caches or a
     # trim) and the hot subset read again after arrival.
     "trim_ms": "drop/trim before migrating",

@@ -160,3 +160,24 @@ def warm_free_memory(nbytes: int) -> tuple[int, float]:
             for offset in range(0, size, mmap.PAGESIZE):
                 area[offset] = 1
     return size, time.monotonic() - start
+
+
+# Enough to time (a few 2 MiB blocks), little enough to sample every second.
+FAULT_PROBE_BYTES = 16 << 20
+
+
+def fault_cost(nbytes: int = FAULT_PROBE_BYTES) -> float:
+    """Seconds per GiB it costs now to fault in fresh anonymous memory: the
+    price the next process that allocates pays (warm_free_memory says why
+    it varies on a host that is itself a guest: ~0.09 s per GiB for memory
+    freed moments ago, ~2.2 s once the host's own hypervisor took it back).
+    The memory is released again at once."""
+    size = max(2 << 20, nbytes // (2 << 20) * (2 << 20))
+    start = time.monotonic()
+    with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as area:
+        try:
+            area.madvise(MADV_POPULATE_WRITE)
+        except OSError:
+            for offset in range(0, size, mmap.PAGESIZE):
+                area[offset] = 1
+    return (time.monotonic() - start) * (1 << 30) / size

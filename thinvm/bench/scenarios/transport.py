@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.hostcost import FaultCostWatch
 from thinvm.bench.probe import VethLink, in_netns, veth_link
 from thinvm.bench.types import Metrics, RunContext
 from thinvm.errors import ThinvmError
@@ -163,7 +164,7 @@ class Transport:
         migrate.set_capabilities(dst, caps or {})
         uri = self._incoming(dst)
         warm = warm_host(ctx, src.host_memory().rss)
-        with MigrationCpu(src.pid, dst.pid) as cpu:
+        with FaultCostWatch() as host_cost, MigrationCpu(src.pid, dst.pid) as cpu:
             try:
                 result = migrate.migrate_to_uri(
                     src,
@@ -181,7 +182,7 @@ class Transport:
             migrate.wait_destination_running(dst)
             cpu.dst_done()
         dst.wait_agent(timeout=60)
-        return Migrated(result, {**cpu.metrics, **warm})
+        return Migrated(result, {**cpu.metrics, **warm, **host_cost.metrics})
 
     def _incoming(self, dst: VM) -> str:
         """Let the destination listen; the URI the source connects to."""
