@@ -579,7 +579,7 @@ def parse_backing(xml: str) -> Backing:
 def parse_reporting(xml: str) -> bool:
     """Whether a domain's balloon reports free pages: libvirt's
     `freePageReporting` attribute where the XML has one, else the machine
-    type's default (on in pc-q35-10.0-thinvm, QEMU 0024; off in QEMU's)."""
+    type's default (on in pc-q35-10.0-thinvm, QEMU 0019; off in QEMU's)."""
     root = ET.fromstring(xml)
     balloon = root.find("devices/memballoon")
     if balloon is None or balloon.get("model", "virtio") == "none":

@@ -153,8 +153,10 @@ def check(citation: Citation, results: Path) -> Verdict:
 
 
 def documents(root: Path) -> list[Path]:
-    """The files whose figures are checked: README, docs, the bench notes."""
+    """The files whose figures are checked: README, docs, the bench notes
+    (bench/notes.md and the topic notes under bench/notes/)."""
     paths = [root / "README.md", root / "bench" / "notes.md"]
+    paths += sorted((root / "bench" / "notes").glob("*.md"))
     paths += sorted((root / "docs").rglob("*.md"))
     return [p for p in paths if p.is_file()]
 

@@ -484,9 +484,17 @@ recorded result follows these rules (issue 19):
   (on a tie, the first listed); its column head names it
   (`stock-best = stock-mfd2`). The **thinvm** row is chosen the same way
   from `thinvm-hint` and `thinvm-no-hint`. Per guest size or link the rows
-  are named `8G-stock-best`, `veth-thinvm` and so on. migrate-compress,
-  migrate-postcopy and save-restore keep fixed configurations, as their
-  descriptions say.
+  are named `8G-stock-best`, `veth-thinvm` and so on. migrate-postcopy's
+  stock-best is chosen among the same stock configurations and stock's
+  postcopy, save-restore's among every stock way to save (mapped-ram over
+  two or one multifd channels, with or without hinting, one stream, the
+  plain stream) by save + restore time; migrate-compress still compares
+  compression with none on fixed stacks, as its description says.
+- **The lab host's price for memory.** During each migration a probe
+  faults 16 MiB of fresh memory in every second (thinvm.bench.hostcost):
+  `host_fault_s_per_gib` (median) and `host_fault_max_s_per_gib` say what
+  the host charged per GiB while the variant ran, ~0.09 s when its free
+  memory was warm, ~2.2 s when its own hypervisor had taken it back.
 - **Cost, not only time.** Every migration records the CPU seconds of the
   source and the destination QEMU from just before `migrate` until the
   source completes (source) or the guest runs again (destination), split by
