@@ -14,7 +14,7 @@ A second relay carries 200 MB/s until ~120 MiB are left, then loses a
 third of its rate every 300 ms: the stop meets a rate lower than any
 sample before it, as at 128 GiB where the destination's page zeroing
 took the host's two cores.  Measured here: 426-483 ms of downtime with
-the slowest-sample window of QEMU 0023 alone (3 runs), 138-291 ms with
+the slowest-sample window of QEMU 0018 alone (3 runs), 138-291 ms with
 its falling-rate step (8 runs).
 """
 
@@ -131,7 +131,7 @@ class FallingLink(Relay):
     """`fast` bytes/s until fall() is called, then a rate that loses `loss`
     of itself every `period` seconds, down to `floor`: the last stretch of
     the 128 GiB migration, where the destination's page zeroing took both
-    of the host's cores (QEMU 0023)."""
+    of the host's cores (QEMU 0018)."""
 
     def __init__(self, target: int, fast: int, loss: float, period: float, floor: int) -> None:
         super().__init__(target)
@@ -210,7 +210,7 @@ def test_sparse_migration_keeps_to_the_downtime_limit_on_a_falling_link(
     make_vm: VMFactory,
 ) -> None:
     """The rate falls by a third every 300 ms from when FALL_AT are left:
-    budgeted with its slowest sample alone (QEMU 0023 without its
+    budgeted with its slowest sample alone (QEMU 0018 without its
     falling-rate step), the stop meets a
     rate lower than any sample and overruns the limit.
 
@@ -321,7 +321,7 @@ def test_a_dirtying_guest_converges_on_a_flipping_link(make_vm: VMFactory, stack
     between V / FLIP_FAST and V / FLIP_SLOW, on a link whose rate flips
     between the two every FLIP_S: stock QEMU stops right after a fast
     sample, and so must thinvm's.  Its budget is sized with the slowest of
-    the last five samples (QEMU 0023), a window that here always
+    the last five samples (QEMU 0018), a window that here always
     holds a slow one; without the bound on how long the window may defer a
     switchover the newest sample allows, the migration iterates for ever
     and is still active when CONVERGE_S run out.
@@ -330,7 +330,7 @@ def test_a_dirtying_guest_converges_on_a_flipping_link(make_vm: VMFactory, stack
     migrate_transferred and migrate_pending_exact trace events: V is
     32.7-32.8 MB at every one of ~640 dirty syncs, so the budget must
     reach 109 MB/s x 300 ms; a quarter to a half of the 100 ms samples
-    do.  The slowest-sample budget (0023's rules applied to the recorded
+    do.  The slowest-sample budget (0018's rules applied to the recorded
     samples) reached at most 16-23 MB in each of five one-minute runs,
     ~2000 windows in all: samples that straddle a slow phase carry up
     to ~75 MB/s, never V's 109.  Whole migrations, 6 runs each: stock
@@ -377,7 +377,7 @@ def test_a_dirtying_guest_converges_on_a_flipping_link(make_vm: VMFactory, stack
     assert check.bad == 0 and check.pages == 64 * MiB // 4096, check
 
 
-# -- the first pass goes while the guest runs (QEMU 0026) --------------------
+# -- the first pass goes while the guest runs (QEMU 0021) --------------------
 
 # A steady link, which carries the downtime's data at the rate its samples
 # saw: what is left at the stop shows in the downtime as it is.
@@ -401,7 +401,7 @@ class SteadyLink(Relay):
 def test_an_idle_sparse_guest_stops_only_after_its_first_pass(make_vm: VMFactory) -> None:
     """With sparse-ram the pages the host never populated are not pending,
     so an idle guest's pending size falls below the budget (bandwidth x
-    downtime-limit) in the middle of the first pass: before QEMU 0026 the
+    downtime-limit) in the middle of the first pass: before QEMU 0021 the
     source stopped there and sent the rest of the pass, up to a whole
     budget of it, while the guest was stopped.  The demo's idle 2 GiB
     guest: 169 ms [17-412] of downtime against stock's 34 ms [5-62], 101 MB

@@ -15,6 +15,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -414,11 +415,12 @@ def test_setmem_migrate_back_and_forth_save_restore(
 
         # What users run: the guest gives the cold cache back, reporting
         # returns it to the host, then the migration leaves it out.
-        trim = thinvm_cli("fleet", "migrate", name, "--to", h2.name, "--trim", "--json")
+        trim = thinvm_cli("fleet", "migrate", name, "--to", h2.name, "--trim", "--json", "--trace")
         assert trim.returncode == 0, trim.stderr
         assert guest.domstate(h2, name) == "running" and guest.domstate(h1, name) == "absent"
         verify_pattern(h2, name, 11)
         out = json.loads(trim.stdout)
+        assert_the_trace_shows_both_hosts(out["trace"], source=h1.name, destination=h2.name)
         reported = out["trim"]
         assert reported["trimmed"], reported
         trimmed = migrate.job_bytes(out["libvirt"])
@@ -442,6 +444,28 @@ def test_setmem_migrate_back_and_forth_save_restore(
         shared_guest.remove()
 
 
+def assert_the_trace_shows_both_hosts(
+    steps: list[dict[str, Any]], source: str, destination: str
+) -> None:
+    """`fleet migrate --trace` (issue 47): thinvm's marks in order, and
+    between the virsh call and its return the source pausing the guest
+    before the destination resumes it, on the one clock."""
+    whats = [(s["where"], s["what"]) for s in steps]
+    ours = [what for where, what in whats if where == "thinvm"]
+    assert ours[0].startswith("checks") and ours[-1] == "job statistics read", whats
+    called = whats.index(("thinvm", "virsh migrate called"))
+    returned = whats.index(("thinvm", "virsh migrate returned"))
+
+    def first(where: str, word: str) -> int:
+        found = [i for i, (w, what) in enumerate(whats) if w == where and word in what]
+        assert found, (where, word, whats)
+        return found[0]
+
+    paused, resumed = first(source, "Suspended"), first(destination, "Resumed")
+    assert called < paused < resumed < returned, whats
+    assert all(s["gap_s"] >= 0 for s in steps), steps
+
+
 def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
     fleet: ClusterState, images: dict[str, guest_image.DiskImage]
 ) -> None:
@@ -457,7 +481,7 @@ def test_a_portable_guest_goes_to_a_stock_host_and_back_keeping_the_skipping(
         there = migrate.migrate(h1, h3, name, parallel=2)
         assert guest.domstate(h3, name) == "running" and guest.domstate(h1, name) == "absent"
         verify_pattern(h3, name, 21)
-        # No capability: thinvm's QEMU skips over multifd by itself (0022).
+        # No capability: thinvm's QEMU skips over multifd by itself (0017).
         assert "sparse-ram" not in there.capabilities, there.capabilities
         assert there.ram.get("sparse-skipped", 0) * 4096 > MEMORY // 4, there.ram
 

@@ -400,7 +400,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
         assert counters["guest-errors"] == 0, counters
         # Plain `virsh migrate --live --p2p --tls`, as Nova issues it: no
         # --parallel, no capability, the main channel alone.  The machine
-        # type has the source leave untouched memory out there too (0028).
+        # type has the source leave untouched memory out there too (0023).
         moved = migrate.migrate(h1, h2, name)
         verify(h2, name, 41)
         assert qemu_of(h2, name) == (THINVM, cluster.QEMU_USER)

@@ -313,7 +313,7 @@ def test_libvirt_takes_the_packaged_qemu_as_an_emulator(apt_repo: Path) -> None:
     assert proc.returncode == 0, f"{proc.stderr}\n{proc.stdout[-2000:]}"
     assert f"<path>{binary}</path>" in proc.stdout, proc.stdout[:2000]
     assert "<machine>pc-q35-10.0</machine>" in proc.stdout, proc.stdout[:2000]
-    # The machine type with page ranges on (QEMU 0024), as Nova would name it.
+    # The machine type with page ranges on (QEMU 0019), as Nova would name it.
     assert "<machine>pc-q35-10.0-thinvm</machine>" in proc.stdout, proc.stdout[-2000:]
 
 

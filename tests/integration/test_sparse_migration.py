@@ -242,7 +242,7 @@ def test_postcopy_switched_mid_pass_migrates_byte_identical(
         resume=False,
         postcopy_after=0.3,
     )
-    assert result.raw["ram"]["postcopy-bytes"] > 16 * MiB, "did not switch to postcopy early"
+    assert result.postcopy_bytes > 16 * MiB, "did not switch to postcopy early"
     assert result.sparse_skipped > 64 * MiB // PAGE
     assert_identical_memory(src, dst, tmp_path)
 
@@ -291,7 +291,7 @@ def test_postcopy_preempt_guest_faults_get_their_data(make_vm: VMFactory, recove
     pattern that is still mostly on the source: every page it reads is
     sent urgently by the source's return path thread, while the migration
     thread sends the rest in the background, both through sparse-ram's
-    zero check (the pagemap batch they once shared, patch 0015).  With
+    zero check (each with a pagemap batch of its own, patch 0012).  With
     `recover`, the channel is broken and resumed first, so the source
     sends what the destination's received map says is missing.  The
     pattern must verify while still in postcopy and again at the end.
@@ -331,7 +331,7 @@ def test_stock_qemu_does_not_know_the_capability(make_vm: VMFactory) -> None:
 def test_stock_destination_loads_a_sparse_multifd_stream(
     make_vm: VMFactory, tmp_path: Path
 ) -> None:
-    """thinvm host -> a host still on stock QEMU, as in a rolling upgrade (patch 0021).
+    """thinvm host -> a host still on stock QEMU, as in a rolling upgrade (patch 0016).
 
     Over multifd, a stock destination already takes its fresh memory to be
     zero (it never clears a zero page it receives first), so the source
@@ -358,7 +358,7 @@ def test_stock_destination_loads_a_sparse_multifd_stream(
 def test_stock_destination_loads_a_main_channel_stream_left_sparse(
     make_vm: VMFactory, tmp_path: Path
 ) -> None:
-    """thinvm host -> stock QEMU on the main channel, no capability (0028).
+    """thinvm host -> stock QEMU on the main channel, no capability (0023).
 
     With x-sparse-ram-main (on in pc-q35-10.0-thinvm) the source leaves
     out what it holds nothing for, ballooned pages included, on the plain

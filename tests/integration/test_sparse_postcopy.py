@@ -1,4 +1,4 @@
-"""sparse-ram with postcopy (qemu/patches 0012, 0020), real guest.
+"""sparse-ram with postcopy (qemu/patches 0012; 0005 for the hole runs), real guest.
 
 QEMU's own test of "unpopulated at setup, written during the migration,
 still dirty at the switchover" (0014, dirty-at-switchover) writes with
@@ -62,7 +62,7 @@ def migration_info(vm: VM) -> dict[str, Any]:
 def write_during_first_pass(src: VM, populated_before: int) -> str:
     """The guest writes WRITTEN bytes of pattern into fresh memory while
     the first pass runs; the checksum of what it wrote."""
-    migrate.wait_source_status(src, ("active",))  # setup's hole walk is done
+    migrate.wait_status(src, ("active",))  # setup's hole walk is done
     syncs_at_start = migration_info(src)["ram"]["dirty-sync-count"]
     workload.pattern_write(src.agent, WRITTEN, seed=SEED, path=DURING)
     written = checksum(src)
@@ -121,8 +121,8 @@ def test_postcopy_fetches_pages_written_into_holes_during_precopy(
     dirty log is TCG's own: the guest's stores set QEMU's dirty bitmap
     through the softmmu TLB, and the bitmap sync at the switchover
     collects them.  So this covers the real guest's writes, the bitmap
-    sync and 0020's second look at the hole runs (which must not drop what
-    is written after it); 0020's clear of the remote dirty log is a no-op
+    sync and 0005's second look at the hole runs (which must not drop what
+    is written after it); 0005's clear of the remote dirty log is a no-op
     under TCG, as only KVM's memory listener has log_clear.  The KVM
     dirty-log ioctls are exercised only on a host where the probe picks
     KVM, and then by this same test.

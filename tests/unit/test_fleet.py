@@ -54,7 +54,7 @@ def test_thinvm_domain_has_every_feature() -> None:
     args = [a.get("value") for a in root.iter(f"{Q}arg")]
     # The capability is all the command line carries: no monitor of ours.
     assert args == ["-global", "migration.sparse-ram=on"]
-    # Page ranges come with the machine type (QEMU 0024): no override.
+    # Page ranges come with the machine type (QEMU 0019): no override.
     assert root.find("os/type").get("machine") == "pc-q35-10.0-thinvm"  # type: ignore[union-attr]
     assert root.find(f"{Q}override") is None
     assert has_ranges(domain_xml(spec(sparse_ram="sparse-ram")))
@@ -364,7 +364,7 @@ def _live_xml(portable: bool) -> str:
 class _FakePoller:
     """Stands in for the query-migrate poller (a virsh of its own)."""
 
-    def __init__(self, host: object, name: str) -> None:
+    def __init__(self, host: object, name: str, trace: object = None) -> None:
         self.ram: dict[str, int] = {}
         self.caps: dict[str, bool] = {}
         self.polls = 0

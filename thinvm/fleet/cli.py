@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.domain import domain_xml
+from thinvm.fleet.trace import Trace
 from thinvm.guest import image as guest_image
 from thinvm.guest.agent import shell_line
 from thinvm.guest.trim import report as trim_report
@@ -140,10 +141,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         else:
             print(f"thinvm: {args.name}: not trimmed, migrating anyway: {trimmed.note}",
                   file=sys.stderr)  # fmt: skip
+    trace = Trace() if args.trace else None
     result = migrate.migrate(
-        source, dest, args.name, parallel=args.parallel, compress=args.compress
+        source, dest, args.name, parallel=args.parallel, compress=args.compress, trace=trace
     )
     data = result.summary()
+    if trace is not None:
+        data["trace"] = trace.steps()
+        if not args.json:
+            print("\n".join(trace.lines()))
     data["balloon"] = migrate.balloon_counters(dest, args.name)
     if trimmed is not None:
         data["trim"] = trimmed.to_json()
@@ -340,6 +346,11 @@ def _add_guest_parsers(fsub: Subparsers) -> None:
         help="compress the multifd channels (needs --parallel); pays on slow links only",
     )
     p.add_argument("--trim", action="store_true", help="first have the guest give back cold memory")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="print where the time went: thinvm's steps and libvirt's events on both hosts",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_migrate)
 

@@ -5,7 +5,7 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
 - free page reporting, stats period, autodeflate: libvirt's own
   `<memballoon>` attributes;
 - page ranges: the machine type thinvm-qemu adds, `pc-q35-10.0-thinvm`
-  (QEMU 0024), which offers them (and reporting) by default; libvirt has
+  (QEMU 0019), which offers them (and reporting) by default; libvirt has
   no attribute for them, and a machine type is what Nova and KubeVirt
   let an operator choose;
 - free page hinting (the stock-best baseline only): a virtio-balloon-pci
@@ -20,7 +20,7 @@ Every thinvm feature maps onto the XML as follows (docs/fleet.md):
   no page ranges and no sparse-ram in the XML, and
   `<metadata><thinvm:guest portable="yes"/></metadata>`, which libvirt
   keeps across migrations, so `thinvm fleet migrate` knows to keep the
-  capability off (over multifd thinvm's QEMU skips without it, 0022);
+  capability off (over multifd thinvm's QEMU skips without it, 0017);
 - virtio-mem (docs/resize.md): libvirt's `<memory model='virtio-mem'>`,
   which needs `<maxMemory>` and a guest NUMA node; resized with
   `virsh update-memory-device NAME --alias ua-vmem0 --requested-size SIZE`.
@@ -49,7 +49,7 @@ ET.register_namespace("qemu", QEMU_NS)
 THINVM_NS = "https://thinvm.invalid/xmlns/guest/1"
 ET.register_namespace("thinvm", THINVM_NS)
 
-# pc-q35-10.0 with page ranges and reporting on (QEMU 0024).  Plain "q35"
+# pc-q35-10.0 with page ranges and reporting on (QEMU 0019).  Plain "q35"
 # stays pc-q35-10.0 on thinvm-qemu too, which stock hosts also run.
 THINVM_MACHINE = "pc-q35-10.0-thinvm"
 STOCK_MACHINE = "q35"

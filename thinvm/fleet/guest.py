@@ -41,7 +41,7 @@ class GuestSpec:
     # Runs on stock hosts too (a cluster being upgraded): no page ranges,
     # which the guest sees and a stock QEMU lacks, and no sparse-ram in the
     # XML, which a stock QEMU would refuse to start with: over multifd
-    # thinvm's QEMU skips without it (QEMU 0022).
+    # thinvm's QEMU skips without it (QEMU 0017).
     portable: bool = False
     # Free page hinting (QEMU's, on an iothread): off, as in thinvm.vm.stack,
     # where it measured slower once reporting runs.  Off also spares the

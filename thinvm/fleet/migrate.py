@@ -9,9 +9,11 @@ destination's migration address (qemu.conf migration_host).
 libvirt knows nothing of sparse-ram: its `domjobinfo --completed` keeps
 only the fields it parses, and the source QEMU is gone when the job
 completes.  So while the job runs, `query-migrate` is read from the
-source QEMU every 20 ms through libvirt, which owns QEMU's monitor; the
-last answer before completion holds `sparse-skipped` (counted on the
-first pass, final long before the end).  The domain carries no monitor
+source QEMU every 20 ms through libvirt, which owns QEMU's monitor, until
+the first pass is over (`dirty-sync-count` 2): `sparse-skipped` is
+counted on the first pass and final from then on, and the switchover
+that follows should not share QEMU's monitor and libvirt's job with
+us (thinvm.fleet.trace shows where a migration's time goes).  The domain carries no monitor
 of ours (a `-qmp` socket in `<qemu:commandline>`): libvirt would not
 manage it, and an operator's tooling (Nova, Proxmox) would not keep it.
 
@@ -65,9 +67,12 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import emulator
 from thinvm.fleet.cluster import Host, virsh
 from thinvm.fleet.domain import BALLOON_QOM_PATH, THINVM_MACHINE, has_ranges, is_portable
+from thinvm.fleet.trace import Trace
 
 BALLOON_COUNTERS = ("range-requests", "range-discards", "guest-errors")
 POLL_INTERVAL = 0.02
+# The bitmap sync that ends the first pass is the migration's second.
+FIRST_PASS_DONE_SYNCS = 2
 
 
 def _qmp_message(command: str, arguments: dict[str, Any]) -> str:
@@ -228,12 +233,12 @@ class MigrationResult:
 
 
 class _SourcePoller(threading.Thread):
-    """Reads query-migrate from the source QEMU, through libvirt, until
-    told to stop."""
+    """Reads query-migrate from the source QEMU, through libvirt, until the
+    first pass is over or it is told to stop."""
 
-    def __init__(self, host: Host, name: str) -> None:
+    def __init__(self, host: Host, name: str, trace: Trace | None = None) -> None:
         super().__init__(daemon=True)
-        self.host, self.name = host, name
+        self.host, self.name, self.trace = host, name, trace
         self.stop = threading.Event()
         self.ram: dict[str, int] = {}
         self.caps: dict[str, bool] = {}
@@ -277,6 +282,10 @@ class _SourcePoller(threading.Thread):
             if isinstance(info, dict) and "ram" in info:
                 self.ram = {k: v for k, v in info["ram"].items() if isinstance(v, int)}
                 self.polls += 1
+                if self.ram.get("dirty-sync-count", 0) >= FIRST_PASS_DONE_SYNCS:
+                    if self.trace is not None:
+                        self.trace.mark("counters read: first pass over, polling stops")
+                    return
             self.stop.wait(POLL_INTERVAL)
 
 
@@ -285,8 +294,8 @@ def clear_sparse_ram(source: Host, name: str) -> None:
     guest, where it is on (set by hand, or by an older thinvm).
 
     A portable guest needs no capability: over multifd thinvm's QEMU leaves
-    unpopulated pages out by itself (QEMU 0022, x-sparse-ram-multifd), for
-    any destination, a stock QEMU included (0021).  Over the main channel
+    unpopulated pages out by itself (QEMU 0017, x-sparse-ram-multifd), for
+    any destination, a stock QEMU included (0016).  Over the main channel
     the capability would ask the destination to take part, and a stock
     one refuses the stream."""
     cap = emulator.sparse_ram_capability()
@@ -364,11 +373,34 @@ def migrate(
     extra: tuple[str, ...] = (),
     timeout: float = 600.0,
     compress: str | None = None,
+    trace: Trace | None = None,
 ) -> MigrationResult:
     """Live-migrate `name` from `source` to `destination`, peer-to-peer;
     the definition moves with it.  On failure libvirt leaves the guest
     running on the source; the error says so.  `compress`: "zstd" has
-    the multifd channels compress the pages they send (needs `parallel`)."""
+    the multifd channels compress the pages they send (needs `parallel`).
+    `trace`: thinvm's steps and libvirt's events on both hosts go there."""
+    if trace is None:
+        return _migrate(source, destination, name, parallel, extra, timeout, compress, None)
+    with trace.watching([source, destination], name):
+        return _migrate(source, destination, name, parallel, extra, timeout, compress, trace)
+
+
+def _migrate(
+    source: Host,
+    destination: Host,
+    name: str,
+    parallel: int,
+    extra: tuple[str, ...],
+    timeout: float,
+    compress: str | None,
+    trace: Trace | None,
+) -> MigrationResult:
+    def mark(what: str) -> None:
+        if trace is not None:
+            trace.mark(what)
+
+    mark("checks: route, live XML, emulator, machine type, capabilities")
     check_route(source, destination, name)
     args = ["migrate", "--live", "--p2p", "--persistent", "--undefinesource"]
     if destination.tls:
@@ -387,8 +419,9 @@ def migrate(
         if new_emulator:
             args += _destination_xml(source, name, live, new_emulator, Path(tmp))
         args += [*extra, name, destination.peer_uri]
-        poller = _SourcePoller(source, name)
+        poller = _SourcePoller(source, name, trace)
         poller.start()
+        mark("virsh migrate called")
         start = time.monotonic()
         try:
             virsh(source, *args, timeout=timeout)
@@ -397,9 +430,11 @@ def migrate(
         finally:
             poller.finish()
         seconds = time.monotonic() - start
+        mark("virsh migrate returned")
     # The source forgot the domain (--undefinesource); the destination
     # keeps the statistics of the incoming job.
     job = parse_jobinfo(virsh(destination, "domjobinfo", name, "--completed"))
+    mark("job statistics read")
     return MigrationResult(
         seconds, source.name, destination.name, job, poller.ram, poller.polls, poller.caps,
         new_emulator,

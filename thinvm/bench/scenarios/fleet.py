@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.hostcost import FaultCostWatch
 from thinvm.bench.scenarios.common import Candidate, migration_rows
 from thinvm.bench.types import BenchOptions, Best, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import DomainSpec
+from thinvm.fleet.trace import Trace
 from thinvm.guest import image as guest_image
 from thinvm.guest.trim import set_background
 from thinvm.host.memory import process_memory
@@ -161,7 +163,7 @@ def candidate_run(c: Candidate) -> FleetRun:
 # thinvm's best option on a source host whose destination runs Debian's
 # QEMU: no ranges (the guest would see a device property the destination
 # lacks) and no sparse-ram capability; thinvm-qemu skips over multifd
-# without it (QEMU 0022).
+# without it (QEMU 0017).
 THINVM_TO_STOCK = FleetRun(
     replace(THINVM, ranges=False, sparse=False), cluster="packaged", to_build="stock"
 )
@@ -304,8 +306,11 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
     # The source only: libvirt starts the destination QEMU during the
     # migration, so there is nothing to sample before it.  libvirt names
     # QEMU's threads (debug-threads=on) by itself.
-    with MigrationCpu(guest.qemu_pid(src, GUEST), None) as cpu:
-        result = migrate.migrate(src, dst, GUEST, parallel=plan.parallel)
+    trace = Trace()
+    with FaultCostWatch() as host_cost, MigrationCpu(guest.qemu_pid(src, GUEST), None) as cpu:
+        result = migrate.migrate(src, dst, GUEST, parallel=plan.parallel, trace=trace)
+    # Where the time went, libvirt's events among ours (issue 47).
+    ctx.note("trace", trace.steps())
     dst_rss = _qemu_rss(dst, GUEST)
     _check_binaries(ctx, src, dst, plan, source)
     client = guest.agent(dst, GUEST)
@@ -325,6 +330,7 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
         "src_rss_bytes": src_rss,
         "dst_rss_bytes": dst_rss,
         **cpu.metrics,
+        **host_cost.metrics,
     }
 
 
@@ -388,7 +394,7 @@ def packaged_rows(
             make(THINVM_TO_STOCK),
             "packaged hosts: a portable guest on thinvm-qemu (h1) migrated to Debian's "
             "QEMU (h4), <emulator> switched by fleet migrate; our driver, reporting, "
-            "multifd (2 channels), no ranges, no sparse-ram capability (0022 skips)",
+            "multifd (2 channels), no ranges, no sparse-ram capability (0017 skips)",
             reference=reference,
         )
     )
