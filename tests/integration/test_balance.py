@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VMFactory
-from thinvm.balance.backends import RssBudget, ThinvmBackend, WholeHost
+from thinvm.balance.backends import GivenVmsBackend, RssBudget, WholeHost
 from thinvm.balance.daemon import STATE_VERSION, Controller, CycleReport, load_status
 from thinvm.balance.model import VmLimits, VmState
 from thinvm.balance.policies import ThinvmPolicy
@@ -52,7 +52,7 @@ def oom_kills(vm: VM) -> int:
 def controller(vms: list[VM], host: object | None = None, **kw: object) -> Controller:
     lines: list[str] = []
     ctl = Controller(
-        ThinvmBackend(vms),
+        GivenVmsBackend(vms),
         host or WholeHost(),  # type: ignore[arg-type]
         ThinvmPolicy(),
         interval=1.0,
@@ -167,7 +167,7 @@ def test_virtio_mem_guest_is_unplugged_when_it_frees_memory_and_plugged_when_it_
     rss_before = vm.host_memory().rss
     ctl = controller([vm])
     started = time.monotonic()
-    reports = drive(ctl, 60, until=lambda _r: resize.virtio_mem_status(vm).size == 0)
+    reports = drive(ctl, 60, until=lambda _r: resize.virtio_mem_status(vm).plugged == 0)
     shrink_seconds = time.monotonic() - started
     sample = reports[-1].samples[0]
     assert sample.lever == "virtio-mem" and sample.virtio_mem is not None
@@ -182,7 +182,7 @@ def test_virtio_mem_guest_is_unplugged_when_it_frees_memory_and_plugged_when_it_
     drive(ctl, 90, until=lambda _r: not thread.is_alive())
     thread.join()
     assert not errors, f"guest workload failed: {errors[0]}"
-    plugged = resize.virtio_mem_status(vm).size
+    plugged = resize.virtio_mem_status(vm).plugged
     assert plugged >= 384 * MiB, f"only {format_size(plugged)} plugged again"
     assert balloon.query(vm).actual == base, "the balloon moved"
     assert oom_kills(vm) == 0

@@ -32,7 +32,7 @@ def test_virtio_mem_guest_grows_and_shrinks_and_the_host_gets_memory_back(
     make_vm: VMFactory, kernel: str
 ) -> None:
     vm = make_vm(vmem_guest(f"vmem-{kernel}", kernel=kernel))
-    assert resize.virtio_mem_status(vm).size == 0  # boots with its base memory only
+    assert resize.virtio_mem_status(vm).plugged == 0  # boots with its base memory only
     base_total = mem_total(vm)
 
     grown = resize.resize(vm, BASE + VMEM)
@@ -43,7 +43,7 @@ def test_virtio_mem_guest_grows_and_shrinks_and_the_host_gets_memory_back(
     rss_grown = vm.host_memory().rss
 
     shrunk = resize.resize(vm, BASE)
-    assert shrunk.size == BASE and resize.virtio_mem_status(vm).size == 0
+    assert shrunk.size == BASE and resize.virtio_mem_status(vm).plugged == 0
     assert abs(mem_total(vm) - base_total) <= SLACK
     dropped = rss_grown - vm.host_memory().rss
     assert dropped >= 0.75 * VMEM, f"host RSS dropped by only {format_size(dropped)}"
@@ -78,7 +78,7 @@ def test_shrunk_virtio_mem_guest_migrates_with_its_data(make_vm: VMFactory, buil
     result = migrate.migrate(src, dst, caps={"sparse-ram": True} if build == "patched" else {})
     # Unplugged memory is never read or sent, by either build.
     assert result.transferred < shrunk, f"sent {format_size(result.transferred)}"
-    assert resize.virtio_mem_status(dst).size == VMEM // 4
+    assert resize.virtio_mem_status(dst).plugged == VMEM // 4
     assert mem_total(dst) == total
     check = workload.pattern_verify(dst.agent, seed=31)
     assert check.ok and check.pages == 256 * MiB // 4096
@@ -95,11 +95,11 @@ def test_cli_resize_drives_virtio_mem_and_refuses_bad_sizes() -> None:
         )  # fmt: skip
         assert "512.00 MiB + up to 512.00 MiB by virtio-mem" in up.stdout
         assert "128.00 MiB plugged after" in up.stdout  # up waited for the guest
-        out = thinvm_ok("resize", name, "769M")
-        assert "virtio-mem blocks: resizing to 770.00 MiB" in out.stderr
-        assert "770.00 MiB by virtio-mem" in out.stdout
+        out = thinvm_ok("resize", name, "769M")  # rounded down to a whole 2 MiB block
+        assert "virtio-mem blocks: resizing to 768.00 MiB" in out.stderr
+        assert "768.00 MiB by virtio-mem" in out.stdout
         status = thinvm_ok("status", name).stdout
-        assert "virtio-mem 258.00 MiB of 512.00 MiB plugged" in status
+        assert "virtio-mem 256.00 MiB of 512.00 MiB plugged" in status
         # Like 'thinvm balloon': a balance controller leaves it there until 'auto'.
         assert f"held by an operator; 'thinvm resize {name} auto' releases it" in status
         assert "left to the balance controller" in thinvm_ok("resize", name, "auto").stdout

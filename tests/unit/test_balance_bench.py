@@ -122,7 +122,7 @@ def test_a_sweep_whose_first_count_does_not_fit_goes_down_until_one_does() -> No
         tried.append(count)
         return {"fit_guests": count if count <= fits_up_to else count - 1}
 
-    params = check_params(overcommit.SPEC["params"], {"sweep": "4,5"}, "overcommit")
+    params = check_params(overcommit.SPEC.params, {"sweep": "4,5"}, "overcommit")
     bench = overcommit.Overcommit(BenchOptions(), overcommit.Plan.parse(params, 1024 * MiB))
     bench.measure_count = measure_count  # type: ignore[method-assign]
     got = bench.measure(Setup(True, True, "reporting"), RunContext("overcommit", "r", 1, 1))

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from thinvm.balance.backends import (
+    GivenVmsBackend,
     LibvirtBackend,
-    ThinvmBackend,
     domain_sample,
     migrating_from_jobinfo,
     parse_domstats,
@@ -17,7 +17,7 @@ from thinvm.balance.backends import (
     parse_virtio_mem,
 )
 from thinvm.balance.daemon import Controller, format_status, load_status
-from thinvm.balance.model import GuestStats, HostSample, Lever, Reclaimer, VirtioMem, VmSample
+from thinvm.balance.model import GuestStats, HostSample, Reclaimer, VmSample
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
 from thinvm.balance.reclaimers import (
     RECLAIMER_WAIT,
@@ -29,6 +29,7 @@ from thinvm.errors import AgentBusy, ThinvmError
 from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
+from thinvm.vm.resize import Lever, VirtioMem
 
 DATA = Path(__file__).parent / "data" / "balance"
 
@@ -469,7 +470,7 @@ def test_a_virtio_mem_vm_an_operator_resized_is_left_there(tmp_path: Path) -> No
 
 
 class FakeQemu:
-    """Just enough of a thinvm VM for ThinvmBackend: QMP replies and a record."""
+    """Just enough of a thinvm VM for GivenVmsBackend: QMP replies and a record."""
 
     def __init__(self, balloon_actual: int, plugged: int) -> None:
         self.config = VMConfig(
@@ -509,7 +510,7 @@ class FakeQemu:
 
 def test_thinvm_backend_samples_virtio_mem_and_sets_its_requested_size() -> None:
     qemu = FakeQemu(balloon_actual=BASE, plugged=VMEM)
-    backend = ThinvmBackend([qemu])
+    backend = GivenVmsBackend([qemu])
     (sample,) = backend.sample()
     assert sample.levers == (Lever.BALLOON, Lever.VIRTIO_MEM)
     assert sample.lever is Lever.VIRTIO_MEM
@@ -524,7 +525,7 @@ def test_thinvm_backend_samples_virtio_mem_and_sets_its_requested_size() -> None
 
 def test_thinvm_backend_gives_back_a_balloon_left_inside_the_base() -> None:
     qemu = FakeQemu(balloon_actual=300 * MiB, plugged=0)
-    backend = ThinvmBackend([qemu])
+    backend = GivenVmsBackend([qemu])
     (sample,) = backend.sample()
     assert sample.actual == 300 * MiB  # what the guest keeps
     backend.set_target("q", BASE)

@@ -27,7 +27,7 @@ import pytest
 # so that on a tree without it each test fails, not the whole file.
 from tests.unit.test_balance_daemon import DATA, FakeBackend, FakeVirsh, FixedHost, controller
 from thinvm.balance import backends, daemon, model
-from thinvm.balance.backends import LibvirtBackend, ThinvmBackend
+from thinvm.balance.backends import GivenVmsBackend, LibvirtBackend, ThinvmBackend
 from thinvm.balance.daemon import Controller, load_status
 from thinvm.balance.model import Backing, GuestStats, Reclaimer, VmState, parse_guest_stats
 from thinvm.balance.policies import POLICIES, ThinvmParams, ThinvmPolicy, make_policy
@@ -110,7 +110,7 @@ def agents(tmp_path: Path) -> Iterator[Callable[[str, Callable[[str], bytes]], F
 
 
 class ReportingVm:
-    """Just enough of a thinvm VM with free page reporting for ThinvmBackend:
+    """Just enough of a thinvm VM with free page reporting for GivenVmsBackend:
     QMP answered here, the guest agent a real client of a FakeAgent."""
 
     def __init__(self, name: str, agent: FakeAgent) -> None:
@@ -164,7 +164,7 @@ def test_an_agent_answering_garbage_costs_its_vm_a_logged_error_not_the_loop(
 ) -> None:
     good = ReportingVm("good", agents("good", json_reply(GOOD_COUNTERS)))
     bad = ReportingVm("bad", agents("bad", json_reply(GARBAGE_COUNTERS)))
-    backend = ThinvmBackend([bad, good])
+    backend = GivenVmsBackend([bad, good])
     ctl, lines = quiet_controller(backend, tmp_path / "state.json")
     reports = [ctl.step(), ctl.step()]
     for report in reports:
@@ -234,7 +234,7 @@ def test_a_vm_whose_statistics_are_garbage_is_sampled_without_them(
         return agents(name, lambda _line: b"ERR unknown\n")
 
     liar, honest = Lying("liar", old_agent("liar")), ReportingVm("honest", old_agent("honest"))
-    backend = ThinvmBackend([liar, honest])
+    backend = GivenVmsBackend([liar, honest])
     samples = {s.name: s for s in backend.sample()}
     assert samples["liar"].stats is None and samples["honest"].stats is not None
     (error,) = backend.sample_errors()

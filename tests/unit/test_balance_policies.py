@@ -14,9 +14,7 @@ from thinvm.balance.model import (
     Backing,
     GuestStats,
     HostSample,
-    Lever,
     Reclaimer,
-    VirtioMem,
     VmLimits,
     VmSample,
     VmState,
@@ -30,6 +28,7 @@ from thinvm.balance.policies import (
     ThinvmPolicy,
 )
 from thinvm.units import GiB, MiB
+from thinvm.vm.resize import Lever, VirtioMem
 
 DATA = Path(__file__).parent / "data" / "balance"
 CALM_HOST = HostSample(total=24 * GiB, available=20 * GiB, psi_some_avg10=0.0, psi_full_avg10=0.0)

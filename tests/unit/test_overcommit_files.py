@@ -37,7 +37,7 @@ def test_the_scratch_disk_never_goes_into_a_file_another_user_made() -> None:
         [*setpriv, "sh", "-c", f"umask 0; : > {planted}"], check=True, capture_output=True
     )
     try:
-        params = {**SPEC["params"], "read": "4M", "rounds": "1", "swap": "0"}
+        params = {**SPEC.params, "read": "4M", "rounds": "1", "swap": "0"}
         scenario = make_overcommit(BenchOptions(), params, 1 * GiB)
         assert scenario.context is not None
         with scenario.context():

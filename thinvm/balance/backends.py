@@ -20,9 +20,7 @@ from thinvm.balance.model import (
     BadGuestData,
     GuestStats,
     HostSample,
-    Lever,
     Reclaimer,
-    VirtioMem,
     VmSample,
     parse_guest_stats,
 )
@@ -34,12 +32,11 @@ from thinvm.host.memory import host_meminfo, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
 from thinvm.host.procs import proc_start_time
 from thinvm.units import GiB, KiB, MiB, format_size
-from thinvm.vm import balloon, registry, resize
-from thinvm.vm.machine import VM, UnreadableState
+from thinvm.vm import balloon, migrate, registry, resize
+from thinvm.vm.machine import VM, UnreadableState, VMConfig
+from thinvm.vm.resize import Lever, VirtioMem
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
-MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
-MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 VIRSH_TIMEOUT = 30.0  # seconds: a virsh call that takes longer is a failed call
 T = TypeVar("T")
 
@@ -196,7 +193,7 @@ def _maps_hugetlb(pid: int | None) -> bool:
         return False
 
 
-def _backing_of(config: Any, rss_thp: int, pid: int | None = None) -> Backing:
+def _backing_of(config: VMConfig, rss_thp: int, pid: int | None = None) -> Backing:
     backend = str(config.backend)
     if (config.pool is not None or backend.startswith("file:")) and _maps_hugetlb(pid):
         return Backing.HUGETLBFS
@@ -207,29 +204,9 @@ def _backing_of(config: Any, rss_thp: int, pid: int | None = None) -> Backing:
     return Backing.THP if rss_thp > 0 else Backing.ANONYMOUS
 
 
-def _virtio_mem(vm: Any) -> VirtioMem | None:
+def _virtio_mem(vm: VM) -> VirtioMem | None:
     """The VM's virtio-mem device (thinvm.vm.resize), or None without one."""
-    if not vm.config.virtio_mem:
-        return None
-    status = resize.virtio_mem_status(vm)
-    return VirtioMem(
-        base=vm.config.memory,
-        plugged=status.size,
-        requested=status.requested_size,
-        block_size=status.block_size,
-        max_size=status.max_size,
-    )
-
-
-def _set_virtio_mem(vm: Any, target: int) -> None:
-    """Make the guest keep `target` with virtio-mem: `requested-size` is the
-    part above the base memory, and a balloon, if any, gives back all of the
-    base memory (an operator may have inflated it earlier)."""
-    vmem = _virtio_mem(vm)
-    assert vmem is not None
-    resize.request_virtio_mem(vm, vmem.requested_for(target))
-    if vm.config.balloon.enabled and balloon.query(vm).actual < vmem.base:
-        balloon.set_target(vm, vmem.base)
+    return resize.virtio_mem_status(vm) if vm.config.virtio_mem else None
 
 
 def _process_identity(pid: int | None) -> str | None:
@@ -240,7 +217,8 @@ def _process_identity(pid: int | None) -> str | None:
 
 
 class ThinvmBackend:
-    """VMs started by thinvm: detached ones (`thinvm up`) or VM objects given.
+    """VMs started by thinvm and left running detached (`thinvm up`);
+    GivenVmsBackend drives VM objects handed to it instead.
 
     Talks QMP through each VM's monitor (thinvm.vm.balloon).  Turns on
     statistics polling on a VM that has it off, since without statistics
@@ -258,14 +236,12 @@ class ThinvmBackend:
 
     def __init__(
         self,
-        vms: Sequence[Any] | None = None,
         names: Sequence[str] = (),
         log: Callable[[str], None] = lambda _line: None,
     ) -> None:
-        self._given = list(vms) if vms is not None else None
         self.log = log
         self._names = set(names)  # only these detached VMs; empty: all
-        self._attached: dict[str, Any] = {}
+        self._attached: dict[str, VM] = {}
         self._errors: list[str] = []  # per VM, since sample_errors() last took them
         self.reclaimers = GuestReclaimers(log, self._errors)
 
@@ -277,7 +253,7 @@ class ThinvmBackend:
             names &= self._names
         return sorted(names)
 
-    def _attach(self, name: str) -> Any | None:
+    def _attach(self, name: str) -> VM | None:
         """The VM called `name`, attached; None if it is gone.  Needs its name lock."""
         vm = self._attached.get(name)
         unreadable: UnreadableState | None = None
@@ -302,7 +278,7 @@ class ThinvmBackend:
         vm.operator_target = state.get("operator_target")
         return vm
 
-    def _each_vm(self, func: Callable[[Any], T]) -> list[T]:
+    def _each_vm(self, func: Callable[[VM], T]) -> list[T]:
         """func(vm) for every VM managed, each under its name lock if detached.
 
         Whatever goes wrong with one VM (its QEMU, its guest, its state
@@ -319,11 +295,7 @@ class ThinvmBackend:
                 self._errors.append(f"{name}: not sampled: {describe_error(exc)}")
         return results
 
-    def _calls(self, func: Callable[[Any], T]) -> list[tuple[str, Callable[[], T]]]:
-        if self._given is not None:
-            return [
-                (vm.config.name, functools.partial(func, vm)) for vm in self._given if vm.alive()
-            ]
+    def _calls(self, func: Callable[[VM], T]) -> list[tuple[str, Callable[[], T]]]:
         return [(name, functools.partial(self._with_vm, name, func)) for name in self._managed()]
 
     def pids(self) -> list[int]:
@@ -336,7 +308,7 @@ class ThinvmBackend:
         errors, self._errors = self._errors, []
         return errors
 
-    def _sample_one(self, vm: Any) -> VmSample:
+    def _sample_one(self, vm: VM) -> VmSample:
         name, config = vm.config.name, vm.config
         mem = vm.host_memory()
         vmem = _virtio_mem(vm)
@@ -349,18 +321,14 @@ class ThinvmBackend:
         if config.balloon.enabled:
             levers.append(Lever.BALLOON)
             actual = balloon.query(vm).actual
-            polling = "guest-stats-polling-interval"
-            if vm.qmp("qom-get", path=balloon.BALLOON_PATH, property=polling) < 1:
-                balloon.enable_stats(vm, STATS_POLL_SECONDS)
+            balloon.ensure_stats(vm, STATS_POLL_SECONDS)
             stats = self._guest_stats(name, balloon.stats(vm))
         if vmem is not None:
             levers.append(Lever.VIRTIO_MEM)
             actual += vmem.plugged
-        status = vm.qmp("query-migrate").get("status", "none")
         # A source that finished migrating waits in `postmigrate` for its
         # switchover: a target sent to it would be lost.
-        runstate = vm.qmp("query-status")["status"]
-        migrating = status in MIGRATING or runstate in MIGRATION_RUNSTATES
+        migrating = migrate.in_progress(vm)
         held = vm.operator_target
         if held is not None and vmem is not None:
             # 'thinvm resize' records a total, 'thinvm balloon' a balloon
@@ -392,7 +360,7 @@ class ThinvmBackend:
             self._errors.append(f"{name}: balloon statistics ignored: {exc}")
             return None
 
-    def _reclaimer_of(self, vm: Any) -> Reclaimer | None:
+    def _reclaimer_of(self, vm: VM) -> Reclaimer | None:
         """The guest reclaimer, asked of reporting guests only: without
         reporting, what it frees stays with the guest, so trim first never
         applies and the agent is left alone."""
@@ -400,13 +368,8 @@ class ThinvmBackend:
             return None
         return self.reclaimers.reclaimer(vm.config.name, vm.agent)
 
-    def _with_vm(self, name: str, func: Callable[[Any], T]) -> T:
-        """func(the VM called `name`), under its name lock if detached."""
-        if self._given is not None:
-            for machine in self._given:
-                if machine.config.name == name and machine.alive():
-                    return func(machine)
-            raise VmGone(f"VM {name!r} is gone")
+    def _with_vm(self, name: str, func: Callable[[VM], T]) -> T:
+        """func(the VM called `name`), under its name lock."""
         with registry.name_lock(name):
             machine = self._attach(name)
             if machine is None:
@@ -414,19 +377,21 @@ class ThinvmBackend:
             return func(machine)
 
     def set_target(self, vm: str, target: int) -> None:
-        def send(machine: Any) -> None:
-            if self._given is None and machine.operator_target is not None:
-                # An operator got there between our sample and now.
-                raise HeldByOperator(
-                    f"held at {format_size(machine.operator_target)} by an operator "
-                    "(thinvm balloon or resize) since this cycle's sample"
-                )
-            if machine.config.virtio_mem:
-                _set_virtio_mem(machine, target)
-            else:
-                balloon.set_target(machine, target)
+        def send(machine: VM) -> None:
+            self._check_not_held(machine)
+            resize.apply_total(machine, target)
 
         self._with_vm(vm, send)
+
+    def _check_not_held(self, machine: VM) -> None:
+        """HeldByOperator if an operator set a target (`thinvm balloon` or
+        `resize`, read from the state file under the name lock) between
+        this cycle's sample and now."""
+        if machine.operator_target is not None:
+            raise HeldByOperator(
+                f"held at {format_size(machine.operator_target)} by an operator "
+                "(thinvm balloon or resize) since this cycle's sample"
+            )
 
     def set_reclaim(self, vm: str, on: bool) -> None:
         self._with_vm(vm, lambda m: self.reclaimers.set_background(vm, m.agent, on))
@@ -442,6 +407,30 @@ class ThinvmBackend:
         for vm in self._attached.values():
             vm.disconnect()
         self._attached.clear()
+
+
+class GivenVmsBackend(ThinvmBackend):
+    """VM objects handed in (the benchmarks, the tests): driven as they are,
+    with no registry, no name lock and no attaching.  Nobody else resizes
+    them, so there is no operator's hold to respect."""
+
+    def __init__(self, vms: Sequence[VM], log: Callable[[str], None] = lambda _line: None) -> None:
+        super().__init__(log=log)
+        self._vms = list(vms)
+
+    def _calls(self, func: Callable[[VM], T]) -> list[tuple[str, Callable[[], T]]]:
+        return [(vm.config.name, functools.partial(func, vm)) for vm in self._vms if vm.alive()]
+
+    def _with_vm(self, name: str, func: Callable[[VM], T]) -> T:
+        for machine in self._vms:
+            if machine.config.name == name and machine.alive():
+                return func(machine)
+        raise VmGone(f"VM {name!r} is gone")
+
+    def _check_not_held(self, machine: VM) -> None:
+        # No state file an operator could have written since the sample:
+        # the hold a sample saw (VM.operator_target) is all there is.
+        return None
 
 
 # -- libvirt -------------------------------------------------------------------
@@ -623,7 +612,7 @@ def domain_sample(
     levers: tuple[Lever, ...] = (Lever.BALLOON,)
     if virtio_mem is not None:
         levers = (Lever.BALLOON, Lever.VIRTIO_MEM)
-        actual = actual or virtio_mem.base + virtio_mem.plugged
+        actual = actual or virtio_mem.total
         maximum = virtio_mem.base + virtio_mem.max_size
     return VmSample(
         name=dom.name,

@@ -5,7 +5,8 @@ the memory the guest keeps, whatever the lever: outside the balloon, as
 QMP's `balloon` command and `query-balloon` use it, plus, on a VM with
 virtio-mem, what the device has plugged.  A lower target shrinks the
 guest, a higher one grows it; the backend turns it into a balloon target
-or a virtio-mem `requested-size`.
+or a virtio-mem `requested-size`.  The virtio-mem device and the levers
+are thinvm.vm.resize's model (Lever, VirtioMem), with its rounding rule.
 """
 
 from dataclasses import asdict, dataclass, field, replace
@@ -13,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from thinvm.units import MiB
+from thinvm.vm.resize import Lever, VirtioMem
 
 # QEMU reports a statistic the guest did not send as (uint64)-1.
 UNSET_STAT = (1 << 64) - 1
@@ -137,35 +139,6 @@ class HostSample:
     psi_full_avg10: float | None = None
     psi_some_avg60: float | None = None
     psi_full_avg60: float | None = None
-
-
-class Lever(StrEnum):
-    """What a VM can be resized with (docs/resize.md)."""
-
-    BALLOON = "balloon"
-    VIRTIO_MEM = "virtio-mem"
-
-
-@dataclass(frozen=True)
-class VirtioMem:
-    """A VM's virtio-mem device as QEMU reports it, in bytes."""
-
-    base: int  # the memory the guest booted with: never unplugged
-    plugged: int  # the device's `size`: what the guest has plugged
-    requested: int  # the device's `requested-size`
-    block_size: int
-    max_size: int
-
-    def requested_for(self, target: int) -> int:
-        """`requested-size` for a guest that keeps `target` in all:
-        target - base, in whole blocks (rounded down), within [0, max]."""
-        wanted = max(0, target - self.base)
-        return min(self.max_size, wanted - wanted % self.block_size)
-
-    def round(self, target: int) -> int:
-        """The nearest total at or below `target` that virtio-mem can give
-        (never below the base memory)."""
-        return self.base + self.requested_for(target)
 
 
 @dataclass(frozen=True)

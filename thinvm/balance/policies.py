@@ -22,13 +22,13 @@ from thinvm.balance.model import (
     Backing,
     Decision,
     HostSample,
-    Lever,
     Plan,
     VmLimits,
     VmSample,
     VmState,
 )
 from thinvm.units import MiB, format_size
+from thinvm.vm.resize import Lever
 
 
 @dataclass(frozen=True)

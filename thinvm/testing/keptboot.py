@@ -65,6 +65,7 @@ from thinvm.fleet.guest import run_in_guest, wait_booted
 from thinvm.guest.image import DiskImage, create_overlay
 from thinvm.host.locks import FileLock
 from thinvm.testing.profile import GuestProfile, current
+from thinvm.vm import migrate
 from thinvm.vm.machine import VM, VMConfig
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class KeptBootVM(VM):
             template.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
             template.qmp("stop")
             template.qmp("migrate", uri=f"file:{directory / STATE_FILE}")
-            template.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
+            migrate.wait_status(template, ("completed",), KEPT_BOOT_TIMEOUT)
             shutil.copy(template.serial_log, directory / SERIAL_FILE)
         finally:
             template.kill()
@@ -262,7 +263,7 @@ class KeptBootVM(VM):
         try:
             self.qmp("migrate-set-capabilities", capabilities=[_mapped_ram(True)])
             self.qmp("migrate-incoming", uri=f"file:{entry / STATE_FILE}")
-            self.wait_migration_status(("completed",), KEPT_BOOT_TIMEOUT)
+            migrate.wait_status(self, ("completed",), KEPT_BOOT_TIMEOUT)
         except ThinvmError as exc:
             # Not kept for the next guest: it boots, and keeps a new one.
             shutil.rmtree(entry, ignore_errors=True)

@@ -11,6 +11,7 @@ from thinvm.units import MiB, format_size
 from thinvm.vm.machine import VM
 
 BALLOON_PATH = "/machine/peripheral/balloon0"
+STATS_POLLING = "guest-stats-polling-interval"  # seconds; 0: the guest sends none
 # What an operator's target leaves a guest beyond the memory it uses now
 # (docs/architecture.md, "Balloon safety"): room for the page cache of the
 # programs it runs and for the kernel's own allocations while the balloon
@@ -157,7 +158,19 @@ def wait_actual(
 
 
 def enable_stats(vm: VM, interval: int = 1) -> None:
-    vm.qmp("qom-set", path=BALLOON_PATH, property="guest-stats-polling-interval", value=interval)
+    vm.qmp("qom-set", path=BALLOON_PATH, property=STATS_POLLING, value=interval)
+
+
+def stats_polling_enabled(vm: VM) -> bool:
+    """Whether the device asks the guest for statistics (an interval of 0 is off)."""
+    return int(vm.qmp("qom-get", path=BALLOON_PATH, property=STATS_POLLING)) >= 1
+
+
+def ensure_stats(vm: VM, interval: int = 1) -> None:
+    """Turn statistics polling on at `interval` seconds if it is off; an
+    interval someone else set is left as it is."""
+    if not stats_polling_enabled(vm):
+        enable_stats(vm, interval)
 
 
 def stats(vm: VM) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from thinvm.units import format_size, parse_size, seconds, seconds_or_zero
 from thinvm.vm import balloon, migrate, registry, resize
 from thinvm.vm import trim as vm_trim
 from thinvm.vm.machine import VM, BalloonOptions, VMConfig
+from thinvm.vm.stack import caps_for
 
 EXEC_DESCRIPTION = """\
 Run a command in the guest and exit with its status.
@@ -258,7 +259,7 @@ def cmd_resize(args: argparse.Namespace) -> int:
         plan = resize.plan_for(vm, parse_size(args.size))
         if plan.note:
             _warn(f"{args.name}: {plan.note}")
-        if plan.lever == "balloon":
+        if plan.lever is resize.Lever.BALLOON:
             return _resize_by_balloon(vm, plan, args)
         # As 'thinvm balloon' does: a balance controller leaves it there
         # (recorded as the total with virtio-mem).  A request the guest
@@ -307,17 +308,9 @@ def _progress_printer() -> tuple[ProgressLine, migrate.Progress]:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     with registry.attached(args.name) as src:
-        if args.sparse and src.config.build != "patched":
-            raise ThinvmError(
-                "--sparse needs the patched QEMU build: start the VM with --build patched"
-            )
+        caps = caps_for(src.config.build, sparse=args.sparse, postcopy=args.postcopy is not None)
         if args.trim:
             vm_trim.before_migration(src, args.name)
-        # Said both ways: a VM that arrived by an earlier migration still has
-        # the capabilities it was received with.
-        caps = {"postcopy-ram": args.postcopy is not None}
-        if src.config.build == "patched":
-            caps["sparse-ram"] = args.sparse
         line, progress = _progress_printer()
         try:
             if args.uri:
@@ -328,12 +321,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
                 result = registry.migrate_locally(src, caps, progress, args.postcopy, warn=_warn)
         finally:
             line.done()
-    postcopy = int(result.raw.get("ram", {}).get("postcopy-bytes", 0))
+    in_postcopy = f", {format_size(result.postcopy_bytes)} of it in postcopy"
     print(
         f"{args.name}: migrated in {result.total_time_ms} ms (downtime {result.downtime_ms} ms), "
         f"{format_size(result.transferred)} sent, {result.normal_pages} normal + "
-        f"{result.zero_pages} zero pages"
-        + (f", {format_size(postcopy)} of it in postcopy" if args.postcopy is not None else "")
+        f"{result.zero_pages} zero pages" + (in_postcopy if args.postcopy is not None else "")
     )
     return 0
 

@@ -657,15 +657,6 @@ class VM:
         if wait_agent and not self.incoming:
             self.wait_agent()
 
-    def wait_migration_status(self, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
-        """Poll query-migrate until its status is one of `wanted`."""
-        deadline = time.monotonic() + timeout
-        while (status := str(self.qmp("query-migrate").get("status"))) not in wanted:
-            if status in ("failed", "cancelled") or time.monotonic() > deadline:
-                raise ThinvmError(f"migration is {status!r}, expected one of {', '.join(wanted)}")
-            time.sleep(0.02)
-        return status
-
     def _serial_tail(self, lines: int = 15) -> str:
         try:
             text = self.serial_log.read_text(errors="replace")

@@ -16,6 +16,11 @@ Progress = Callable[[dict[str, Any]], None]
 # below what the link does; benchmarks and the demo lift it so that they
 # measure the migration, not the cap.
 UNCAPPED: dict[str, Any] = {"max-bandwidth": 100 * GiB}
+# query-migrate statuses of a migration under way.
+MIGRATING = ("setup", "active", "pre-switchover", "device", "postcopy-active")
+# Runstates of a VM at either end of one: an incoming destination, and a
+# source that finished and waits in `postmigrate` for its switchover.
+MIGRATION_RUNSTATES = ("inmigrate", "finish-migrate", "postmigrate")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,11 @@ class MigrationResult:
             raw=info,
         )
 
+    @property
+    def postcopy_bytes(self) -> int:
+        """RAM sent after the switch to postcopy (0 for a precopy migration)."""
+        return int(self.raw.get("ram", {}).get("postcopy-bytes", 0))
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -81,28 +91,74 @@ def downtime_limit_ms(vm: VM) -> int:
     return int(vm.qmp("query-migrate-parameters")["downtime-limit"])
 
 
+def in_progress(vm: VM) -> bool:
+    """Whether `vm` is in a migration: one under way out of it, or its
+    runstate is a migration's (a target set on it now would be lost)."""
+    status = vm.qmp("query-migrate").get("status", "none")
+    runstate = vm.qmp("query-status")["status"]
+    return status in MIGRATING or runstate in MIGRATION_RUNSTATES
+
+
 def start_incoming(dst: VM, port: int) -> str:
     uri = f"tcp:127.0.0.1:{port}"
     dst.qmp("migrate-incoming", uri=uri)
     return uri
 
 
+class MigrationStatusError(ThinvmError):
+    """A migration ended (failed, cancelled) or ran out of time short of
+    the status waited for."""
+
+    def __init__(self, status: str, wanted: tuple[str, ...], timed_out: bool) -> None:
+        super().__init__(f"migration is {status!r}, expected one of {', '.join(wanted)}")
+        self.status = status
+        self.timed_out = timed_out
+
+
+# query-migrate statuses a migration does not leave.
+ENDED = ("completed", "failed", "cancelled")
+
+
+def wait_status(
+    vm: VM,
+    wanted: tuple[str, ...],
+    timeout: float = 60.0,
+    progress: Progress | None = None,
+    interval: float = 0.02,
+) -> dict[str, Any]:
+    """Poll `vm`'s query-migrate until its status is one of `wanted`, each
+    reply shown to `progress`; returns the last reply.
+
+    The one migration wait loop.  MigrationStatusError once it ends
+    otherwise (failed or cancelled, unless `wanted` has them) or at
+    `timeout`; the migration is left as it is.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        info: dict[str, Any] = vm.qmp("query-migrate")
+        status = str(info.get("status", "none"))
+        if progress is not None:
+            progress(info)
+        if status in wanted:
+            return info
+        timed_out = time.monotonic() > deadline
+        if status in ("failed", "cancelled") or timed_out:
+            raise MigrationStatusError(status, wanted, timed_out)
+        time.sleep(interval)
+
+
 def wait_migration(
     src: VM, timeout: float, progress: Progress | None = None, interval: float = 0.1
 ) -> dict[str, Any]:
-    """Poll query-migrate until the migration ends, reporting progress."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info: dict[str, Any] = src.qmp("query-migrate")
-        status = info.get("status", "none")
-        if progress is not None:
-            progress(info)
-        if status in ("completed", "failed", "cancelled"):
-            return info
-        if time.monotonic() > deadline:
-            src.qmp("migrate_cancel")
-            raise ThinvmError(f"migration did not finish within {timeout:.0f} s (cancelled)")
-        time.sleep(interval)
+    """Wait until the migration ends, reporting progress; one that takes
+    longer than `timeout` is cancelled, so that the source keeps the guest."""
+    try:
+        return wait_status(src, ENDED, timeout, progress, interval)
+    except MigrationStatusError as exc:
+        if not exc.timed_out:
+            raise
+        src.qmp("migrate_cancel")
+        raise ThinvmError(f"migration did not finish within {timeout:.0f} s (cancelled)") from exc
 
 
 def start_postcopy(src: VM, timeout: float = 60.0) -> None:
@@ -113,19 +169,10 @@ def start_postcopy(src: VM, timeout: float = 60.0) -> None:
     keep arriving.
     """
     src.qmp("migrate-start-postcopy")
-    deadline = time.monotonic() + timeout
-    while (status := src.qmp("query-migrate").get("status")) not in (
-        "postcopy-active",
-        "completed",
-    ):
-        if status in ("failed", "cancelled") or time.monotonic() > deadline:
-            raise ThinvmError(f"migration did not switch to postcopy (status {status})")
-        time.sleep(0.05)
-
-
-def wait_source_status(src: VM, wanted: tuple[str, ...], timeout: float = 60.0) -> str:
-    """Poll the source's query-migrate until its status is one of `wanted`."""
-    return src.wait_migration_status(wanted, timeout)
+    try:
+        wait_status(src, ("postcopy-active", "completed"), timeout, interval=0.05)
+    except MigrationStatusError as exc:
+        raise ThinvmError(f"migration did not switch to postcopy (status {exc.status})") from exc
 
 
 def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
@@ -144,7 +191,7 @@ def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
     """
     wait_destination_status(dst, "running", timeout)
     src.qmp("migrate-pause")
-    wait_source_status(src, ("postcopy-paused",), timeout)
+    wait_status(src, ("postcopy-paused",), timeout)
     uri = f"tcp:127.0.0.1:{free_port()}"
     deadline = time.monotonic() + timeout
     while True:
@@ -157,7 +204,7 @@ def pause_and_recover(src: VM, dst: VM, timeout: float = 60.0) -> None:
                 raise
             time.sleep(0.1)
     src.qmp("migrate", uri=uri, resume=True)
-    wait_source_status(src, ("postcopy-active", "completed"), timeout)
+    wait_status(src, ("postcopy-active", "completed"), timeout)
 
 
 def _postcopy_after(src: VM, seconds: float, progress: Progress | None) -> Progress:

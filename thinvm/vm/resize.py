@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from thinvm.errors import ThinvmError
@@ -28,21 +29,59 @@ POLL_SECONDS = 0.2
 DRIVER_OK = "VIRTIO_CONFIG_S_DRIVER_OK"
 
 
-@dataclass(frozen=True)
-class VirtioMemStatus:
-    """The device as QEMU sees it (query-memory-devices), in bytes."""
+class Lever(StrEnum):
+    """What a VM can be resized with (docs/resize.md)."""
 
-    size: int  # plugged by the guest
-    requested_size: int
-    max_size: int
+    BALLOON = "balloon"
+    VIRTIO_MEM = "virtio-mem"
+
+
+def requested_size(total: int, base: int, block_size: int, max_size: int) -> int:
+    """virtio-mem's `requested-size` for a guest that keeps `total` in all:
+    the part above the base memory, in whole blocks, within [0, max_size].
+
+    The one rounding rule for `thinvm resize` and the balance controller:
+    DOWN to a whole block.  A size is a budget (the controller's share of
+    the host, an operator's ceiling, `thinvm resize`'s SIZE), and rounding
+    down never gives a guest more than its budget; the cost is at most a
+    block less than asked when growing, which `thinvm resize` says in its
+    note.  Rounding to the nearest block could put a guest up to half a
+    block above an operator's ceiling (VmSample.fit) or the host's budget.
+    """
+    wanted = max(0, total - base)
+    return min(max_size, wanted - wanted % block_size)
+
+
+@dataclass(frozen=True)
+class VirtioMem:
+    """A VM's virtio-mem device as QEMU (or libvirt) reports it, in bytes."""
+
+    base: int  # the memory the guest booted with: never unplugged
+    plugged: int  # the device's `size`: what the guest has plugged
+    requested: int  # the device's `requested-size`
     block_size: int
+    max_size: int
+
+    @property
+    def total(self) -> int:
+        """The guest's memory with what it has plugged (a balloon aside)."""
+        return self.base + self.plugged
+
+    def requested_for(self, target: int) -> int:
+        """`requested-size` for a guest that keeps `target` in all (requested_size)."""
+        return requested_size(target, self.base, self.block_size, self.max_size)
+
+    def round(self, target: int) -> int:
+        """The nearest total at or below `target` that virtio-mem can give
+        (never below the base memory)."""
+        return self.base + self.requested_for(target)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What to ask of a lever for a requested guest size."""
 
-    lever: str  # "virtio-mem" or "balloon"
+    lever: Lever
     size: int  # the guest's total memory once done (SIZE, maybe rounded)
     target: int  # virtio-mem requested-size, or the balloon target
     note: str = ""  # for the user: a rounding that was done
@@ -50,7 +89,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class ResizeResult:
-    lever: str
+    lever: Lever
     size: int  # the guest's total memory at the end
     seconds: float
 
@@ -58,12 +97,12 @@ class ResizeResult:
 Progress = Callable[[int, int], None]  # (current total, wanted total), bytes
 
 
-def lever(config: VMConfig) -> str:
+def lever(config: VMConfig) -> Lever:
     """The lever `resize` drives on this VM: virtio-mem first, else the balloon."""
     if config.virtio_mem:
-        return "virtio-mem"
+        return Lever.VIRTIO_MEM
     if config.balloon.enabled:
-        return "balloon"
+        return Lever.BALLOON
     raise ThinvmError(
         f"VM {config.name!r} has neither virtio-mem nor a balloon to resize with: "
         "start it with --virtio-mem SIZE, or without --no-balloon"
@@ -73,11 +112,11 @@ def lever(config: VMConfig) -> str:
 def plan(config: VMConfig, size: int, block_size: int) -> Plan:
     """Check SIZE (the guest's total memory) against the VM and turn it into a target.
 
-    virtio-mem plugs whole blocks: SIZE is rounded to the nearest one, and
-    the note says so.  Pure, so the rules are unit-tested without a guest.
+    virtio-mem plugs whole blocks: SIZE is rounded down to one
+    (requested_size), and the note says so.  Pure, so the rules are unit-tested without a guest.
     """
     kind = lever(config)
-    if kind == "balloon":
+    if kind is Lever.BALLOON:
         if not 0 < size <= config.memory:
             raise ThinvmError(
                 f"cannot resize {config.name!r} to {format_size(size)}: its balloon "
@@ -97,11 +136,9 @@ def plan(config: VMConfig, size: int, block_size: int) -> Plan:
             f"{format_size(top)} ({format_size(base)} base + {format_size(config.virtio_mem)} "
             "virtio-mem)"
         )
-    wanted = size - base
-    # Nearest block, halves up; max_size is a whole number of blocks.
-    target = min((wanted + block_size // 2) // block_size * block_size, config.virtio_mem)
+    target = requested_size(size, base, block_size, config.virtio_mem)
     note = ""
-    if target != wanted:
+    if base + target != size:
         note = (
             f"{format_size(size)} is not a whole number of {format_size(block_size)} "
             f"virtio-mem blocks: resizing to {format_size(base + target)}"
@@ -109,13 +146,15 @@ def plan(config: VMConfig, size: int, block_size: int) -> Plan:
     return Plan(kind, base + target, target, note)
 
 
-def virtio_mem_status(vm: VM) -> VirtioMemStatus:
+def virtio_mem_status(vm: VM) -> VirtioMem:
+    """The VM's virtio-mem device (query-memory-devices); ThinvmError without one."""
     for device in vm.qmp("query-memory-devices"):
         data = device.get("data", {})
         if device.get("type") == "virtio-mem" and data.get("id") == VIRTIO_MEM_ID:
-            return VirtioMemStatus(
-                size=int(data["size"]),
-                requested_size=int(data["requested-size"]),
+            return VirtioMem(
+                base=vm.config.memory,
+                plugged=int(data["size"]),
+                requested=int(data["requested-size"]),
                 max_size=int(data["max-size"]),
                 block_size=int(data["block-size"]),
             )
@@ -154,14 +193,14 @@ def wait_plugged(
     """
     base = vm.config.memory
     start = time.monotonic()
-    last = virtio_mem_status(vm).size
+    last = virtio_mem_status(vm).plugged
     last_change = start
     while last != requested:
         now = time.monotonic()
         if now - last_change > stall or now - start > timeout:
             raise ThinvmError(_stall_message(vm, last, requested, now - start))
         time.sleep(POLL_SECONDS)
-        current = virtio_mem_status(vm).size
+        current = virtio_mem_status(vm).plugged
         if current != last:
             last, last_change = current, time.monotonic()
             if progress is not None:
@@ -196,7 +235,7 @@ def _stall_message(vm: VM, plugged: int, requested: int, seconds: float) -> str:
 def plan_for(vm: VM, size: int) -> Plan:
     """plan() for a running VM, with its device's block size."""
     kind = lever(vm.config)
-    block = virtio_mem_status(vm).block_size if kind == "virtio-mem" else 1
+    block = virtio_mem_status(vm).block_size if kind is Lever.VIRTIO_MEM else 1
     return plan(vm.config, size, block)
 
 
@@ -204,13 +243,31 @@ def apply(
     vm: VM, target: Plan, timeout: float = 300.0, progress: Progress | None = None
 ) -> ResizeResult:
     """Send a plan to its lever and wait until the guest follows."""
-    if target.lever == "virtio-mem":
+    if target.lever is Lever.VIRTIO_MEM:
         request_virtio_mem(vm, target.target)
         seconds = wait_plugged(vm, target.target, timeout, progress)
-        return ResizeResult(target.lever, vm.config.memory + virtio_mem_status(vm).size, seconds)
+        return ResizeResult(target.lever, virtio_mem_status(vm).total, seconds)
     balloon.set_target(vm, target.target)
     seconds = balloon.wait_actual(vm, target.target, timeout=timeout)
     return ResizeResult(target.lever, balloon.query(vm).actual, seconds)
+
+
+def apply_total(vm: VM, total: int) -> None:
+    """Ask the guest to keep `total` bytes in all with its lever, without
+    waiting (the balance controller's verb: it samples again next cycle).
+
+    With virtio-mem, `requested-size` is the part above the base memory
+    (requested_size), and a balloon, if any, gives back all of the base
+    memory: an operator may have inflated it earlier, and the controller
+    drives one lever.  Without virtio-mem, `total` is the balloon target.
+    """
+    if not vm.config.virtio_mem:
+        balloon.set_target(vm, total)
+        return
+    device = virtio_mem_status(vm)
+    request_virtio_mem(vm, device.requested_for(total))
+    if vm.config.balloon.enabled and balloon.query(vm).actual < device.base:
+        balloon.set_target(vm, device.base)
 
 
 def resize(
@@ -225,7 +282,7 @@ def describe(vm: VM) -> str:
     if not vm.config.virtio_mem:
         return ""
     status = virtio_mem_status(vm)
-    text = f"virtio-mem {format_size(status.size)} of {format_size(status.max_size)} plugged"
-    if status.requested_size != status.size:
-        text += f" (requested {format_size(status.requested_size)})"
+    text = f"virtio-mem {format_size(status.plugged)} of {format_size(status.max_size)} plugged"
+    if status.requested != status.plugged:
+        text += f" (requested {format_size(status.requested)})"
     return text

@@ -6,7 +6,30 @@ stock stack against thinvm's.
 
 from dataclasses import dataclass
 
+from thinvm.errors import ThinvmError
 from thinvm.vm.machine import BalloonOptions
+
+# Migration capabilities thinvm sets (QMP migrate-set-capabilities).
+SPARSE_RAM = "sparse-ram"  # the patched QEMU's alone (qemu/patches)
+MULTIFD = "multifd"
+POSTCOPY_RAM = "postcopy-ram"
+PATCHED = "patched"  # the QEMU build with sparse-ram and page ranges
+
+
+def caps_for(build: str, *, sparse: bool, postcopy: bool) -> dict[str, bool]:
+    """The capabilities `thinvm migrate` sets on both sides for a VM of
+    `build`, each said on or off: a VM that arrived by an earlier migration
+    still has the capabilities it was received with.  sparse-ram only on
+    the patched build: another QEMU refuses a capability it does not know,
+    even one set off."""
+    if sparse and build != PATCHED:
+        raise ThinvmError(
+            f"{SPARSE_RAM} needs the patched QEMU build: start the VM with --build {PATCHED}"
+        )
+    caps = {POSTCOPY_RAM: postcopy}
+    if build == PATCHED:
+        caps[SPARSE_RAM] = sparse
+    return caps
 
 
 @dataclass(frozen=True)
@@ -22,8 +45,8 @@ class Stack:
     @property
     def caps(self) -> dict[str, bool]:
         """Migration capabilities, to be set on both sides."""
-        caps = {"sparse-ram": True} if self.sparse else {}
-        return {**caps, "multifd": True} if self.multifd else caps
+        caps = {SPARSE_RAM: True} if self.sparse else {}
+        return {**caps, MULTIFD: True} if self.multifd else caps
 
     def balloon(self, **options: bool) -> BalloonOptions:
         return BalloonOptions(

@@ -6,6 +6,7 @@ from typing import Any
 from thinvm.bench.scenarios.common import (
     migration_rows,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
@@ -92,3 +93,12 @@ def make_migrate_ballooned(opts: BenchOptions, params: dict[str, str], size: int
             )
         ],
     )
+
+
+SPEC = ScenarioSpec(
+    "migrate-ballooned",
+    "ballooned guest vs small guest migration, thinvm vs stock-best",
+    make_migrate_ballooned,
+    "4G",
+    "RAM of the ballooned guest (the small one has 1/8)",
+)

@@ -17,6 +17,7 @@ from thinvm.bench.scenarios.params import (
     float_param,
     int_param,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
@@ -182,3 +183,23 @@ def _start_in(
     stack.callback(vm.kill)
     vm.wait_agent()
     return vm
+
+
+SPEC = ScenarioSpec(
+    "density",
+    "host memory held after guests free memory",
+    make_density,
+    "1G",
+    "RAM per guest",
+    default_runs=2,
+    params={"guests": "3", "touch": "0.8", "settle_max": "30"},
+)
+BUDGET_SPEC = ScenarioSpec(
+    "density-budget",
+    "guests that fit under a memory cgroup",
+    make_density_budget,
+    "512M",
+    "RAM per guest",
+    default_runs=1,
+    params={"budget": "1G", "max_guests": "8", "touch": "0.8", "settle_max": "20"},
+)

@@ -12,6 +12,7 @@ from thinvm.bench.scenarios.params import (
     float_param,
     int_param,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
@@ -120,3 +121,20 @@ def make_migrate_dirty(opts: BenchOptions, params: dict[str, str], size: int) ->
         },
         context=transport.session,
     )
+
+
+SPEC = ScenarioSpec(
+    "migrate-dirty",
+    "migration under a fixed-rate dirtying workload",
+    make_migrate_dirty,
+    "1G",
+    "guest RAM",
+    default_runs=2,
+    params={
+        "wss_mib": "512",
+        "rate_mibps": "256",
+        "seconds": "20",
+        "warmup": "6",
+        "downtime_limit_ms": "300",
+    },
+)

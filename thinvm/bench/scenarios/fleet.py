@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.hostcost import FaultCostWatch
 from thinvm.bench.scenarios.common import Candidate, migration_rows
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Best, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
@@ -477,13 +477,13 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
     )
 
 
-# The registry entry: ScenarioSpec(**SPEC) in thinvm.bench.scenarios.__init__.
-SPEC: dict[str, Any] = {
-    "name": NAME,
-    "title": "libvirt migration across a 10 Gbit/s cluster link: thinvm vs stock-best",
-    "make": make_fleet_migrate,
-    "default_size": "1G",
-    "size_help": "guest RAM",
-    "default_runs": 2,
-    "params": {"used": "0.125", "balloon": "0.5", "link": "10gbit"},
-}
+# The registry entry, listed in thinvm.bench.scenarios.
+SPEC = ScenarioSpec(
+    name=NAME,
+    title="libvirt migration across a 10 Gbit/s cluster link: thinvm vs stock-best",
+    make=make_fleet_migrate,
+    default_size="1G",
+    size_help="guest RAM",
+    default_runs=2,
+    params={"used": "0.125", "balloon": "0.5", "link": "10gbit"},
+)

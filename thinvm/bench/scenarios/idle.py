@@ -19,6 +19,7 @@ from thinvm.bench.scenarios.params import (
     used_bytes,
     used_fraction,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
@@ -184,3 +185,23 @@ def make_network(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
         },
         context=veth.session,
     )
+
+
+SPEC = ScenarioSpec(
+    "migrate-idle",
+    "idle guest using 1/8 of its RAM: thinvm vs stock-best",
+    make_migrate_idle,
+    "2G",
+    "guest RAM",
+    default_runs=3,
+    params={"idle": "2", "used": "0.125"},
+)
+NETWORK_SPEC = ScenarioSpec(
+    "network",
+    "migration over loopback vs a shaped veth pair",
+    make_network,
+    "1G",
+    "guest RAM",
+    default_runs=2,
+    params={"idle": "2", "used": "0.125", "rate": "10gbit"},
+)

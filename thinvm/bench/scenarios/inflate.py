@@ -13,6 +13,7 @@ from thinvm.bench.scenarios.common import (
 from thinvm.bench.scenarios.params import (
     float_param,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB, format_size
@@ -157,3 +158,14 @@ def make_inflate(opts: BenchOptions, params: dict[str, str], size: int) -> Scena
             "init_on_alloc": init_on_alloc,
         },
     )
+
+
+SPEC = ScenarioSpec(
+    "inflate",
+    "balloon inflate to 7/8 and deflate",
+    make_inflate,
+    "4G",
+    "guest RAM (8G on bigger hosts)",
+    default_runs=2,
+    params={"fraction": "0.875", "init_on_alloc": "1"},
+)

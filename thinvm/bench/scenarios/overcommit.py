@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thinvm.balance.backends import CgroupBudget, ThinvmBackend
+from thinvm.balance.backends import CgroupBudget, GivenVmsBackend
 from thinvm.balance.daemon import Controller, CycleReport
 from thinvm.balance.model import Reclaimer, VmLimits
 from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
 from thinvm.bench.scenarios.common import timed_in_guest
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim as guest_trim
@@ -652,7 +653,7 @@ def _controller(
         policy = make_policy(setup.policy)
     floor = anchor_floor(setup.policy, plan.work.wss)
     return Controller(
-        ThinvmBackend(vms),
+        GivenVmsBackend(vms),
         CgroupBudget(cgroup.path.name),
         policy,
         interval=plan.interval,
@@ -843,14 +844,14 @@ def main(argv: list[str]) -> int:
     return 2
 
 
-SPEC: dict[str, Any] = {
-    "name": "overcommit",
-    "title": "overcommitted guests under a budget: stock, reporting, proxmox, mom, thinvm",
-    "make": make_overcommit,
-    "default_size": "1G",
-    "size_help": "RAM per guest",
-    "default_runs": 1,
-    "params": {
+SPEC = ScenarioSpec(
+    name="overcommit",
+    title="overcommitted guests under a budget: stock, reporting, proxmox, mom, thinvm",
+    make=make_overcommit,
+    default_size="1G",
+    size_help="RAM per guest",
+    default_runs=1,
+    params={
         "guests": "4",
         "budget": "2G",
         "swap": "2G",
@@ -867,7 +868,7 @@ SPEC: dict[str, Any] = {
         "reread": "0",
         "sweep": "",
     },
-}
+)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,6 @@
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from thinvm.bench.scenarios.common import (
     STOCK_CANDIDATES,
@@ -14,6 +13,7 @@ from thinvm.bench.scenarios.params import (
     float_param,
     used_bytes,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import Transport
 from thinvm.bench.types import (
     BenchOptions,
@@ -26,7 +26,7 @@ from thinvm.bench.types import (
 )
 from thinvm.units import format_size
 from thinvm.vm import migrate
-from thinvm.vm.stack import THINVM, Stack
+from thinvm.vm.stack import POSTCOPY_RAM, THINVM, Stack
 
 # Postcopy hands the guest to the destination at once and pulls the rest of
 # its memory afterwards.  In QEMU 10.0 it cannot use multifd, and stock QEMU
@@ -41,7 +41,7 @@ POSTCOPY_SEED = 12
 # Switch as soon as the migration is under way: postcopy's point is that
 # the destination runs the guest before the memory has moved.
 SWITCH_AFTER_S = 0.0
-POSTCOPY = {"postcopy-ram": True}
+POSTCOPY = {POSTCOPY_RAM: True}
 
 POSTCOPY_STOCK = Candidate(
     "postcopy-stock",
@@ -63,10 +63,9 @@ STOCK_ROWS: list[tuple[Candidate, bool]] = [
 
 def postcopy_metrics(result: migrate.MigrationResult) -> Metrics:
     """What postcopy adds to the migration counters."""
-    ram: dict[str, Any] = result.raw.get("ram", {})
     return {
         "postcopy_requests": result.postcopy_requests,
-        "postcopy_bytes": int(ram.get("postcopy-bytes", 0)),
+        "postcopy_bytes": result.postcopy_bytes,
     }
 
 
@@ -149,3 +148,14 @@ def make_migrate_postcopy(opts: BenchOptions, params: dict[str, str], size: int)
             ),
         ],
     )
+
+
+SPEC = ScenarioSpec(
+    "migrate-postcopy",
+    "idle guest migrated in postcopy: thinvm vs stock",
+    make_migrate_postcopy,
+    "4G",
+    "guest RAM",
+    default_runs=3,
+    params={"used": "0.125", "idle": "2"},
+)

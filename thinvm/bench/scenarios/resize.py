@@ -24,6 +24,7 @@ from typing import Any
 
 from thinvm.bench.scenarios.common import TOUCH_LEAVE, touch_most
 from thinvm.bench.scenarios.params import float_param, size_param
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transport
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
@@ -247,12 +248,12 @@ TARGETS = [
     ),
 ]
 
-SPEC: dict[str, Any] = {
-    "name": "resize",
-    "title": "shrink, migrate while small, grow: balloon, range balloon, virtio-mem",
-    "make": make_resize,
-    "default_size": "8G",
-    "size_help": "guest RAM (the virtio-mem variants: base + device)",
-    "default_runs": 5,
-    "params": {"small": "1G", "idle": "2"},
-}
+SPEC = ScenarioSpec(
+    name="resize",
+    title="shrink, migrate while small, grow: balloon, range balloon, virtio-mem",
+    make=make_resize,
+    default_size="8G",
+    size_help="guest RAM (the virtio-mem variants: base + device)",
+    default_runs=5,
+    params={"small": "1G", "idle": "2"},
+)

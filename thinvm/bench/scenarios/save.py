@@ -16,6 +16,7 @@ from thinvm.bench.scenarios.params import (
     float_param,
     used_fraction,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
@@ -239,3 +240,14 @@ def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> 
         },
         targets=targets,
     )
+
+
+SPEC = ScenarioSpec(
+    "save-restore",
+    "save to a file and restore: thinvm vs stock-best",
+    make_save_restore,
+    "4G",
+    "guest RAM",
+    default_runs=2,
+    params={"idle": "2", "used": "0.125"},
+)

@@ -17,6 +17,7 @@ from thinvm.bench.scenarios.params import (
     int_param,
     size_param,
 )
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import (
     CHANNELS,
     MIGRATION_PARAMS,
@@ -347,3 +348,31 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
         },
         context=transport.session,
     )
+
+
+SPEC = ScenarioSpec(
+    "migrate-scale",
+    "migration vs guest size at fixed used memory",
+    make_migrate_scale,
+    "8G",
+    "largest guest; sizes double from `from` up to it",
+    default_runs=2,
+    params={"idle": "2", "used": "512M", "from": "2G"},
+)
+COMPRESS_SPEC = ScenarioSpec(
+    "migrate-compress",
+    "multifd compression none vs zstd (or zlib), stock-best and thinvm, for a big "
+    "guest: uncapped (or over veth) and on a 1 Gbit/s link",
+    make_migrate_compress,
+    "16G",
+    "guest RAM",
+    default_runs=3,
+    # rate: the veth link's (--net veth); cap_mbps=0: no capped rows.
+    params={
+        "idle": "2",
+        "used": "512M",
+        "compression": "zstd",
+        "cap_mbps": "1000",
+        "rate": "10gbit",
+    },
+)

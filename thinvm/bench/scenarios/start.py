@@ -4,6 +4,7 @@ import time
 from collections.abc import Callable
 
 from thinvm import pool
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.host.procs import process_age
@@ -75,3 +76,12 @@ def make_start(opts: BenchOptions, params: dict[str, str], size: int) -> Scenari
         second_metric="boot_s",
         params={"size": format_size(size)},
     )
+
+
+SPEC = ScenarioSpec(
+    "start",
+    "launch to agent ready with preallocation",
+    make_start,
+    "4G",
+    "guest RAM (16G on bigger hosts)",
+)

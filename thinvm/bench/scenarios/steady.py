@@ -26,6 +26,7 @@ from typing import Any
 
 from thinvm.bench.scenarios.common import Candidate
 from thinvm.bench.scenarios.params import float_param, size_param
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.workingset import DEBIAN_BOOT_TIMEOUT, DataDisk, mount_command
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
@@ -202,12 +203,12 @@ def steady_params(size: int, data: int, minutes: float) -> dict[str, Any]:
 # at most 2% of a vCPU, reclaimer_cpu_pct), read from the table.
 TARGETS: list[Target] = []
 
-SPEC: dict[str, Any] = {
-    "name": NAME,
-    "title": "idle Debian guest that read a data set once: reporting, + reclaimer, thinvm",
-    "make": make_reclaim_steady,
-    "default_size": "4G",
-    "size_help": "guest RAM",
-    "default_runs": 5,
-    "params": {"data": "2G", "minutes": "10"},
-}
+SPEC = ScenarioSpec(
+    name=NAME,
+    title="idle Debian guest that read a data set once: reporting, + reclaimer, thinvm",
+    make=make_reclaim_steady,
+    default_size="4G",
+    size_help="guest RAM",
+    default_runs=5,
+    params={"data": "2G", "minutes": "10"},
+)

@@ -39,6 +39,7 @@ from thinvm.bench.scenarios.common import (
     verify_pattern,
 )
 from thinvm.bench.scenarios.params import float_param, int_param, size_param
+from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.transport import CHANNELS, MIGRATION_PARAMS, Transport
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target
 from thinvm.errors import ThinvmError
@@ -524,14 +525,14 @@ TARGETS = [
     ),
 ]
 
-SPEC: dict[str, Any] = {
-    "name": "migrate-working-set",
-    "title": "guest that read a data set once: stock-best, stock-best + drop_caches, --trim",
-    "make": make_migrate_working_set,
-    "default_size": "4G",
-    "size_help": "guest RAM",
-    "default_runs": 5,
-    "params": {
+SPEC = ScenarioSpec(
+    name="migrate-working-set",
+    title="guest that read a data set once: stock-best, stock-best + drop_caches, --trim",
+    make=make_migrate_working_set,
+    default_size="4G",
+    size_help="guest RAM",
+    default_runs=5,
+    params={
         "guest": "busybox",
         "data": "0.5",
         "hot": "256M",
@@ -539,4 +540,4 @@ SPEC: dict[str, Any] = {
         "passes": "5",
         "idle": "5",
     },
-}
+)

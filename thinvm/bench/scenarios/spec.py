@@ -1,0 +1,44 @@
+"""A scenario's registry entry: each scenario module exports its own
+(SPEC, and a second one under its own name where a module makes two), and
+thinvm.bench.scenarios lists them.  A module of its own, so that the
+scenario modules can import it without importing the registry."""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from thinvm.bench.scenarios.params import check_params
+from thinvm.bench.types import BenchOptions, Scenario
+from thinvm.units import parse_size
+
+# Recorded results rest on at least this many interleaved runs of each
+# variant (issue 19): fewer show no spread to judge a difference by.
+# --runs may ask for fewer (smoke tests).
+MIN_RUNS = 5
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    name: str
+    title: str
+    make: Callable[[BenchOptions, dict[str, str], int], Scenario]
+    default_size: str
+    size_help: str
+    default_runs: int = 3
+    params: dict[str, str] = field(default_factory=dict)
+    todo: str = ""
+
+    def build(self, options: BenchOptions) -> Scenario:
+        size = options.size or parse_size(self.default_size)
+        params = check_params(self.params, options.params, self.name)
+        scenario = self.make(options, params, size)
+        scenario.params.setdefault("build", options.build)
+        return scenario
+
+    @property
+    def runs(self) -> int:
+        """Runs per variant unless --runs says otherwise."""
+        return max(self.default_runs, MIN_RUNS)
+
+    @property
+    def command(self) -> str:
+        return f"thinvm bench {self.name}"
