@@ -17,7 +17,7 @@ from thinvm.balance.backends import (
     parse_virtio_mem,
 )
 from thinvm.balance.daemon import Controller, format_status, load_status
-from thinvm.balance.model import GuestStats, HostSample, Reclaimer, VmSample
+from thinvm.balance.model import GuestStats, HostSample, Reclaimer, VmSample, stress_from_vmstat
 from thinvm.balance.policies import ThinvmParams, ThinvmPolicy
 from thinvm.balance.reclaimers import (
     RECLAIMER_WAIT,
@@ -27,6 +27,7 @@ from thinvm.balance.reclaimers import (
 )
 from thinvm.errors import AgentBusy, ThinvmError
 from thinvm.guest.agent import AGENT_PORT
+from thinvm.host.memory import parse_vmstat
 from thinvm.units import GiB, KiB, MiB, format_size
 from thinvm.vm.machine import VIRTIO_MEM_ID, BalloonOptions, VMConfig
 from thinvm.vm.resize import Lever, VirtioMem
@@ -563,3 +564,67 @@ def test_the_cache_floor_of_a_trim_holds_for_a_while() -> None:
     assert reclaimers.reclaimer("a", agent).cache_floor == 150 * MiB  # type: ignore[union-attr]
     reclaimers._cache_floors["a"] = (now - TRIM_FLOOR_SECONDS - 1, 150 * MiB)
     assert reclaimers.reclaimer("a", agent).cache_floor == 0  # type: ignore[union-attr]
+
+
+class VmstatAgent:
+    """A domain's agent that answers `cat /proc/vmstat` with canned text,
+    or is busy with another client's request."""
+
+    def __init__(self, text: str = "", busy: bool = False) -> None:
+        self.text, self.busy, self.commands = text, busy, []
+
+    def check(self, command: str, timeout: float = 300.0) -> Any:
+        self.commands.append(command)
+        if self.busy:
+            raise AgentBusy("another client holds the agent")
+        return type("Result", (), {"stdout": self.text})()
+
+
+GUEST_VMSTAT = (
+    "nr_free_pages 1000\noom_kill 2\nallocstall_dma32 3\nallocstall_normal 4\n"
+    "pgscan_kswapd 500\npgscan_direct 60\npgsteal_kswapd 450\npgsteal_direct 50\n"
+)
+
+
+def test_libvirt_backend_reads_a_guests_stress_counters_through_its_agent() -> None:
+    """libvirt passes on none of Linux 6.12's stall and reclaim statistics:
+    with the agent's channel they come from the guest's /proc/vmstat, as
+    the 6.12 driver computes them; a lying or busy guest gives none."""
+    stats = (
+        "Domain: 'web'\n  balloon.current=524288\n  balloon.maximum=524288\n"
+        f"  balloon.last-update={int(time.time())}\n  balloon.available=500000\n"
+        "  balloon.unused=200000\n  balloon.usable=300000\n"
+    )
+    backend = FakeVirsh({"web": live_xml_with_agent()}, stats)
+    backend.reclaimers.reclaimer = lambda name, agent: None  # type: ignore[method-assign,assignment,return-value]
+    agent = VmstatAgent(GUEST_VMSTAT)
+    backend._agent = lambda name, xml: agent  # type: ignore[method-assign,assignment,return-value]
+    (sample,) = backend.sample()
+    assert sample.stats is not None and agent.commands == ["cat /proc/vmstat"]
+    assert sample.stats.counters() == {
+        "oom_kills": 2,
+        "alloc_stalls": 7,
+        "direct_scans": 60,
+        "direct_reclaims": 50,
+    }
+    assert (sample.stats.async_scans, sample.stats.async_reclaims) == (500, 450)
+
+    agent.text = "oom_kill -3\n"  # not a count: left out, the guest named
+    (sample,) = backend.sample()
+    assert sample.stats is not None and sample.stats.counters() == {}
+    assert backend.sample_errors() == ["web: vmstat oom_kills -3 is not a count"]
+
+    agent.busy = True  # a trim holds the channel: the balloon's figures alone
+    (sample,) = backend.sample()
+    assert sample.stats is not None and sample.stats.counters() == {}
+    assert backend.sample_errors() == []
+
+
+def test_stress_counters_the_balloon_sent_are_kept() -> None:
+    """A 6.12 guest whose balloon statistics arrive keeps its own figures;
+    vmstat only fills what is missing."""
+    stress = stress_from_vmstat(parse_vmstat(GUEST_VMSTAT))
+    sent = GuestStats(age=1.0, total=GiB, free=MiB, oom_kills=9)
+    merged = sent.with_stress(stress)
+    assert merged.oom_kills == 9 and merged.alloc_stalls == 7 and merged.direct_scans == 60
+    assert stress_from_vmstat({}) == {}

@@ -23,12 +23,13 @@ from thinvm.balance.model import (
     Reclaimer,
     VmSample,
     parse_guest_stats,
+    stress_from_vmstat,
 )
 from thinvm.balance.reclaimers import GuestReclaimers
 from thinvm.errors import ThinvmError
 from thinvm.guest.agent import AGENT_PORT, AgentClient, channel_lock, libvirt_agent_socket
 from thinvm.host.cgroups import cgroup_usage
-from thinvm.host.memory import host_meminfo, process_memory
+from thinvm.host.memory import host_meminfo, parse_vmstat, process_memory
 from thinvm.host.pressure import Psi, read_cgroup_psi, read_psi
 from thinvm.host.procs import proc_start_time
 from thinvm.units import GiB, KiB, MiB, format_size
@@ -38,6 +39,9 @@ from thinvm.vm.resize import Lever, VirtioMem
 
 STATS_POLL_SECONDS = 1  # how often guests send balloon statistics
 VIRSH_TIMEOUT = 30.0  # seconds: a virsh call that takes longer is a failed call
+# A libvirt domain's stress counters, read through its agent each cycle.
+VMSTAT_COMMAND = "cat /proc/vmstat"
+AGENT_STATS_TIMEOUT = 2.0
 T = TypeVar("T")
 
 
@@ -642,8 +646,10 @@ class LibvirtBackend:
     virsh keeps the controller free of the libvirt Python binding, which
     needs libvirt's headers to build; it costs a process per call, which
     is nothing at one cycle every few seconds.  libvirt (11.3) does not
-    pass on Linux 6.12's stall and reclaim statistics, so with this
-    backend the thinvm policy sees only free/available memory.
+    pass on Linux 6.12's stall and reclaim statistics: for a domain with
+    our agent's channel they are read from the guest's /proc/vmstat
+    through the agent, as the 6.12 driver computes them; without the
+    channel the thinvm policy sees only free/available memory.
 
     A domain with our agent's channel (`thinvm fleet xml` writes it:
     `<channel type='unix'>`, target name org.thinvm.agent, the path left
@@ -749,7 +755,23 @@ class LibvirtBackend:
         # As with thinvm's VMs: without reporting what the reclaimer frees
         # stays with the guest, so the agent is left alone.
         reclaimer = self.reclaimers.reclaimer(dom.name, agent) if agent and reporting else None
-        return replace(sample, reporting=reporting, reclaimer=reclaimer)
+        stats = sample.stats
+        if agent is not None and stats is not None and not stats.counters():
+            stats = stats.with_stress(self._stress_of(dom.name, agent))
+        return replace(sample, reporting=reporting, reclaimer=reclaimer, stats=stats)
+
+    def _stress_of(self, name: str, agent: AgentClient) -> dict[str, int]:
+        """The guest's stall and reclaim counters through its agent, which
+        libvirt does not pass on (Linux 6.12 balloon statistics); none if
+        the agent is busy or cannot answer, the balloon's alone then."""
+        try:
+            text = agent.check(VMSTAT_COMMAND, timeout=AGENT_STATS_TIMEOUT).stdout
+            return stress_from_vmstat(parse_vmstat(text))
+        except BadGuestData as exc:
+            self._errors.append(f"{name}: {exc}")
+        except (ThinvmError, OSError):
+            pass  # busy with a trim, or restarting: the next cycle asks again
+        return {}
 
     def _agent(self, name: str, xml: str) -> AgentClient | None:
         """A client of the domain's agent channel, None without one.  A new

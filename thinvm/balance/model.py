@@ -73,10 +73,41 @@ class GuestStats:
     async_reclaims: int | None = None
     direct_reclaims: int | None = None
 
+    def with_stress(self, stress: dict[str, int]) -> "GuestStats":
+        """These statistics with the stress counters they lack taken from
+        `stress` (stress_from_vmstat); those the balloon sent are kept."""
+        missing = {k: v for k, v in stress.items() if getattr(self, k) is None}
+        return replace(self, **missing)
+
     def counters(self) -> dict[str, int]:
         """The stress counters this guest reports (6.12+), by name."""
         values = {name: getattr(self, name) for name in STRESS_COUNTERS}
         return {name: value for name, value in values.items() if value is not None}
+
+
+# Linux 6.12's virtio-balloon driver reports its stress statistics from
+# the guest's vm events (update_balloon_vm_stats()): the same counters
+# /proc/vmstat shows, so a guest whose statistics do not reach the
+# controller (libvirt passes on none of them) can be read through the agent.
+VMSTAT_STRESS = {
+    "oom_kills": "oom_kill",
+    "async_scans": "pgscan_kswapd",
+    "direct_scans": "pgscan_direct",
+    "async_reclaims": "pgsteal_kswapd",
+    "direct_reclaims": "pgsteal_direct",
+}
+ALLOC_STALL_PREFIX = "allocstall_"  # one per zone; the driver sums them
+
+
+def stress_from_vmstat(counters: dict[str, int]) -> dict[str, int]:
+    """The stress counters of GuestStats from a guest's /proc/vmstat, as
+    its 6.12 balloon driver would report them; BadGuestData if one cannot
+    be right (the guest is not trusted)."""
+    found = {name: counters[key] for name, key in VMSTAT_STRESS.items() if key in counters}
+    stalls = [v for k, v in counters.items() if k.startswith(ALLOC_STALL_PREFIX)]
+    if stalls:
+        found["alloc_stalls"] = sum(stalls)
+    return {name: guest_count(value, f"vmstat {name}") for name, value in found.items()}
 
 
 class BadGuestData(ValueError):
