@@ -151,15 +151,21 @@ def warm_free_memory(nbytes: int) -> tuple[int, float]:
     if size == 0:
         return 0, 0.0
     start = time.monotonic()
+    _fault_in_and_release(size, huge=True)  # huge pages, as QEMU asks for guest RAM
+    return size, time.monotonic() - start
+
+
+def _fault_in_and_release(size: int, huge: bool) -> None:
+    """Fault in `size` bytes of fresh anonymous memory, then unmap it."""
     with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as area:
-        with contextlib.suppress(OSError):
-            area.madvise(mmap.MADV_HUGEPAGE)  # as QEMU asks for guest RAM
+        if huge:
+            with contextlib.suppress(OSError):
+                area.madvise(mmap.MADV_HUGEPAGE)
         try:
             area.madvise(MADV_POPULATE_WRITE)
         except OSError:  # older kernel: touch a byte per page instead
             for offset in range(0, size, mmap.PAGESIZE):
                 area[offset] = 1
-    return size, time.monotonic() - start
 
 
 # Enough to time (a few 2 MiB blocks), little enough to sample every second.
@@ -174,10 +180,5 @@ def fault_cost(nbytes: int = FAULT_PROBE_BYTES) -> float:
     The memory is released again at once."""
     size = max(2 << 20, nbytes // (2 << 20) * (2 << 20))
     start = time.monotonic()
-    with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as area:
-        try:
-            area.madvise(MADV_POPULATE_WRITE)
-        except OSError:
-            for offset in range(0, size, mmap.PAGESIZE):
-                area[offset] = 1
+    _fault_in_and_release(size, huge=False)
     return (time.monotonic() - start) * (1 << 30) / size
