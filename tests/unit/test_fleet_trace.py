@@ -54,6 +54,46 @@ def test_steps_order_every_mark_and_give_each_gap() -> None:
     assert Trace().steps() == []
 
 
+def test_phases_cut_a_migration_where_both_sides_agree() -> None:
+    trace = Trace(
+        [
+            Mark(99.90, "thinvm", "checks: route, live XML"),
+            Mark(100.00, "thinvm", "virsh migrate called"),
+            Mark(100.40, "h1", "migration-iteration: iteration: '1'"),
+            Mark(100.45, "h1", "migration-iteration: iteration: '2'"),
+            Mark(101.00, "h1", "lifecycle: Suspended Migrated"),
+            Mark(101.05, "h2", "lifecycle: Started Migrated"),
+            Mark(101.06, "h2", "lifecycle: Resumed Migrated"),
+            Mark(101.50, "h1", "lifecycle: Stopped Migrated"),
+            Mark(101.80, "thinvm", "virsh migrate returned"),
+            Mark(101.85, "thinvm", "job statistics read"),
+        ]
+    )
+    assert trace.phases("h1", "h2") == {
+        "trace_checks_ms": 100.0,
+        "trace_setup_ms": 400.0,
+        "trace_live_ms": 600.0,
+        "trace_paused_ms": 60.0,
+        "trace_finish_ms": 740.0,
+        "trace_stats_ms": 50.0,
+    }
+
+
+def test_phases_leave_out_what_the_trace_did_not_see() -> None:
+    # No iteration event (a QEMU without the events capability), and the
+    # destination's events lost: only the phases both of whose ends exist.
+    trace = Trace(
+        [
+            Mark(100.00, "thinvm", "virsh migrate called"),
+            Mark(101.00, "h1", "lifecycle: Suspended Migrated"),
+            Mark(101.80, "thinvm", "virsh migrate returned"),
+        ]
+    )
+    assert trace.phases("h1", "h2") == {}
+    # Events of the wrong host do not count for the source.
+    assert Trace([Mark(1.0, "h2", "lifecycle: Suspended Migrated")]).phases("h1", "h2") == {}
+
+
 class _Answers:
     """A virsh session answering query-migrate-capabilities, then one
     query-migrate reply per call."""

@@ -145,6 +145,12 @@ class Trace:
             )
         return steps
 
+    def phases(self, source: str, destination: str) -> dict[str, float]:
+        """Milliseconds per phase of a migration from `source` to
+        `destination`, cut at the instants both sides agree on (PHASES);
+        a phase whose marks are missing is left out."""
+        return phases(self.marks, source, destination)
+
     def lines(self) -> list[str]:
         """The steps as a table for people."""
         rows = [f"{'t (s)':>8} {'+ (s)':>7}  {'where':<8} what"]
@@ -153,3 +159,45 @@ class Trace:
                 f"{step['t_s']:8.3f} {step['gap_s']:7.3f}  {step['where']:<8} {step['what']}"
             )
         return rows
+
+
+# The instants that cut a traced migration into phases: (where, what it
+# starts with), where is "thinvm", "source" or "destination".  Between
+# "virsh migrate called" and the first migration-iteration event libvirt
+# connects to the destination, starts its QEMU, and QEMU sets the
+# migration up (TLS handshakes, the first dirty sync); the first iteration
+# event is QEMU's first pass starting (MIGRATION_PASS).
+CUTS = {
+    "checks": ("thinvm", "checks"),
+    "called": ("thinvm", "virsh migrate called"),
+    "first_pass": ("source", "migration-iteration"),
+    "paused": ("source", "lifecycle: Suspended"),
+    "resumed": ("destination", "lifecycle: Resumed"),
+    "returned": ("thinvm", "virsh migrate returned"),
+    "stats": ("thinvm", "job statistics read"),
+}
+# Phase name: (from cut, to cut), and whose time it is.
+PHASES = {
+    "trace_checks_ms": ("checks", "called"),  # ours: route, XML, capability checks
+    "trace_setup_ms": ("called", "first_pass"),  # libvirt + QEMU: connect, start, set up
+    "trace_live_ms": ("first_pass", "paused"),  # QEMU: memory moves, guest runs
+    "trace_paused_ms": ("paused", "resumed"),  # QEMU + libvirt: the guest stopped
+    "trace_finish_ms": ("resumed", "returned"),  # libvirt: confirm, tear down, undefine
+    "trace_stats_ms": ("returned", "stats"),  # ours: domjobinfo on the destination
+}
+
+
+def phases(marks: list[Mark], source: str, destination: str) -> dict[str, float]:
+    """The PHASES of one migration's marks, in milliseconds."""
+    hosts = {"thinvm": "thinvm", "source": source, "destination": destination}
+    ordered = sorted(marks, key=lambda m: m.at)
+    instants: dict[str, float] = {}
+    for cut, (where, starts) in CUTS.items():
+        found = [m.at for m in ordered if m.where == hosts[where] and m.what.startswith(starts)]
+        if found:
+            instants[cut] = found[0]
+    return {
+        name: round((instants[end] - instants[begin]) * 1000, 1)
+        for name, (begin, end) in PHASES.items()
+        if begin in instants and end in instants and instants[end] >= instants[begin]
+    }

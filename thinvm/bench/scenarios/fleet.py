@@ -150,7 +150,16 @@ class FleetRun:
         follows the stack (spec_for turns it on for everyone)."""
         binary = PACKAGED_BINARY[self.stack.build] if self.kind.packaged else None
         spec = guest.spec_for(self.guest_spec(size, image.kernel), image, shared, binary)
-        return replace(spec, free_page_reporting=self.stack.reporting)
+        # A stack without sparse-ram is plain XML: on the thinvm machine
+        # type the main channel still skips (x-sparse-ram-main).
+        sparse_ram = spec.sparse_ram if self.stack.sparse else None
+        return replace(spec, free_page_reporting=self.stack.reporting, sparse_ram=sparse_ram)
+
+
+# What an operator gets from plain XML and a plain `virsh migrate` (Nova's
+# way): the machine type brings page ranges and main-channel skipping, no
+# capability and no --parallel (issue 47, item 3).
+THINVM_PLAIN_VIRSH = replace(THINVM, sparse=False, multifd=False)
 
 
 def candidate_run(c: Candidate) -> FleetRun:
@@ -331,6 +340,7 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
         "dst_rss_bytes": dst_rss,
         **cpu.metrics,
         **host_cost.metrics,
+        **trace.phases(src.name, dst.name),
     }
 
 
@@ -367,6 +377,11 @@ def _fast_variants(
                 f"{ballooned}; {stock}"),
         Variant("thinvm-ballooned", make(FleetRun(THINVM, balloon_to=balloon_to)),
                 f"{ballooned}; {thinvm}", reference="stock-best-ballooned"),
+        Variant("thinvm-virsh", make(FleetRun(THINVM_PLAIN_VIRSH)),
+                "plain XML on the thinvm machine type, plain `virsh migrate --live --p2p "
+                "--tls` (no --parallel, no sparse-ram capability: the main channel skips); "
+                "patched QEMU, our driver, ranges, reporting (against stock-reporting, "
+                "stock's best without --parallel)", reference="stock-reporting"),
         Variant("stock-best-plain", make(FleetRun(STOCK_BEST, cluster="plain")),
                 f"{stock}, over plain TCP (what TLS costs: against stock-mfd2)",
                 reference="stock-mfd2"),
@@ -426,7 +441,10 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
             f"ballooned to {format_size(balloon_to)} with `virsh setmem`, waits for free page "
             "reporting to settle, then `virsh migrate --live --p2p --parallel [--tls]` moves "
             "it to "
-            "the other host; the destination verifies the data. `stock-best` and `thinvm` "
+            "the other host (`thinvm-virsh` and the stock rows without multifd: no "
+            "`--parallel`, as Nova issues it); the destination verifies the data. Each run "
+            "traces the migration (`fleet migrate --trace`): the trace_*_ms figures are its "
+            "phases (thinvm.fleet.trace.PHASES). `stock-best` and `thinvm` "
             "are chosen per run among the 7 stock configurations of every migration "
             "scenario and thinvm's 2 options. The stock variants swap our "
             "driver for the kernel's virtio_balloon (rmmod + insmod) after boot. "
