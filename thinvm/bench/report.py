@@ -85,6 +85,7 @@ LABELS = {
     # how cold the lab host was, outside the measurement.
     "host_warmed_bytes": "host memory warmed before",
     "host_warm_s": "host warm-up (not measured)",
+    "host_warm_unused_bytes": "host warm reserve left unused",
     # During the migration (thinvm.bench.hostcost): what the lab host
     # charged for fresh memory, per GiB faulted in.
     "host_fault_s_per_gib": "host fault cost during run (s/GiB)",
@@ -527,12 +528,21 @@ recorded result follows these rules (issue 19):
   before 2026-11-25 its CPU and the migration's time depended on what the
   host had done seconds earlier: perf put ~90% of a destination's 1.1 s in
   the kernel zeroing fresh huge pages, and the same runs took 0.15-0.24 s
-  once warmed. Since then, right before each migration (and restore) the
-  harness faults in and releases as much memory as the destination will
-  populate (the source's RSS + 256 MiB), outside the measured window; the
-  kernel hands out those unreported pages first, as a bare-metal host's
-  memory always is. `host_warm_s` records how long that took (how cold the
-  host was); `THINVM_BENCH_WARM_HOST=0` turns it off.
+  once warmed. From then until 2026-11-28, right before each migration the
+  harness faulted in and released as much memory as the destination would
+  populate, outside the measured window; the kernel hands out those
+  unreported pages first, as a bare-metal host's memory always is. But
+  released at once, that memory went cold again ~2 s into the migration:
+  enough for a fast one, not for a 17 s one (the audit of issue 48). Since
+  2026-11-28 the harness holds it (the source's RSS + 256 MiB, faulted in
+  before the measured window) and hands it back in 64 MiB chunks, 512 MiB
+  ahead of the destination QEMU's growing RSS (read every 50 ms), for the
+  whole migration (`thinvm.host.memory.WarmReserve`); a restore, which
+  reads its file in well under 2 s, still gets it released at once.
+  `host_warm_s` records how long warming took (how cold the host was),
+  `host_warm_unused_bytes` what the destination never took, and
+  `host_fault_s_per_gib` what fresh memory cost during the run (a warm
+  host: ~0.1 s); `THINVM_BENCH_WARM_HOST=0` turns warming off.
 
 Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
 [--variants a,b] [--param key=value]`; `thinvm bench --list` shows every

@@ -96,6 +96,13 @@ def process_memory(pid: int) -> HostMemory:
     )
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident set from its counters (/proc/PID/statm): no
+    page-table walk, so cheap to read often while the process runs."""
+    fields = Path(f"/proc/{pid}/statm").read_text().split()
+    return int(fields[1]) * mmap.PAGESIZE
+
+
 def host_meminfo() -> dict[str, int]:
     """/proc/meminfo of the host, in bytes."""
     return parse_meminfo(Path("/proc/meminfo").read_text())
@@ -134,7 +141,32 @@ WARM_HEADROOM = 2 << 30
 def warm_free_memory(nbytes: int) -> tuple[int, float]:
     """Fault in `nbytes` of anonymous memory and release it again; return
     how much was warmed (capped to leave WARM_HEADROOM available) and the
-    seconds it took.
+    seconds it took.  WarmReserve says why, and keeps it warm for longer."""
+    with WarmReserve(nbytes) as reserve:
+        return reserve.size, reserve.seconds
+
+
+# The reserve hands memory back in chunks of this size, keeping this much
+# handed back and not yet taken ahead of its consumer: enough for ~1 s of
+# a destination that receives at 10 Gbit/s, little enough to be taken
+# long before the lab host's reporting delay (2 s) runs out.
+WARM_CHUNK = 64 * MiB
+WARM_LEAD = 512 * MiB
+
+
+def chunks_to_release(released: int, consumed: int, lead: int, chunk: int, held: int) -> int:
+    """How many of `held` chunks to hand back so that what was handed back
+    is at least `lead` bytes ahead of what the consumer has taken."""
+    short = consumed + lead - released
+    if short <= 0:
+        return 0
+    return min(held, -(-short // chunk))
+
+
+class WarmReserve:
+    """Free host memory faulted in now and handed back to the host just
+    ahead of a consumer that allocates it (a destination QEMU filling its
+    RAM), so that none of it lies free long enough to go cold.
 
     Why: a host that is itself a guest with free page reporting (this lab's
     machines are microVMs that report free 8 MiB blocks to their
@@ -143,29 +175,72 @@ def warm_free_memory(nbytes: int) -> tuple[int, float]:
     again: 2.2 s of CPU per GiB measured here, against 0.09 s for memory
     that was freed just before.  A bare-metal host never pays that.  The
     kernel hands out free pages it has not reported before those it has,
-    so memory warmed and released just before a measurement is what the
-    measurement gets, and the seconds returned say how cold the host was.
+    so memory released just before a consumer faults it in is what the
+    consumer gets.  Memory warmed once and released at once (the way before
+    issue 48) was cold again two seconds into a migration that took
+    seventeen; held here, it cannot expire before it is used.
+
+    `release_for(consumed)` hands back chunks as the consumer grows;
+    leaving the context hands back the rest.
     """
-    avail = host_meminfo().get("MemAvailable", 0)
-    size = max(0, min(nbytes, avail - WARM_HEADROOM)) // (2 << 20) * (2 << 20)
-    if size == 0:
-        return 0, 0.0
-    start = time.monotonic()
-    _fault_in_and_release(size, huge=True)  # huge pages, as QEMU asks for guest RAM
-    return size, time.monotonic() - start
 
+    def __init__(self, nbytes: int, lead: int = WARM_LEAD, chunk: int = WARM_CHUNK) -> None:
+        self.wanted = nbytes
+        self.lead = lead
+        self.chunk = chunk
+        self.size = 0  # warmed: nbytes capped by the headroom, whole chunks
+        self.seconds = 0.0  # how long warming took (how cold the host was)
+        self.released = 0
+        self._chunks: list[mmap.mmap] = []
 
-def _fault_in_and_release(size: int, huge: bool) -> None:
-    """Fault in `size` bytes of fresh anonymous memory, then unmap it."""
-    with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as area:
-        if huge:
-            with contextlib.suppress(OSError):
-                area.madvise(mmap.MADV_HUGEPAGE)
+    @property
+    def held(self) -> int:
+        return len(self._chunks) * self.chunk
+
+    def __enter__(self) -> "WarmReserve":
+        avail = host_meminfo().get("MemAvailable", 0)
+        # Whole 2 MiB pages, then whole chunks (a last smaller one allowed).
+        size = max(0, min(self.wanted, avail - WARM_HEADROOM)) // (2 << 20) * (2 << 20)
+        start = time.monotonic()
         try:
-            area.madvise(MADV_POPULATE_WRITE)
-        except OSError:  # older kernel: touch a byte per page instead
-            for offset in range(0, size, mmap.PAGESIZE):
-                area[offset] = 1
+            while self.size < size:
+                piece = min(self.chunk, size - self.size)
+                self._chunks.append(_fault_in(piece, huge=True))
+                self.size += piece
+        except BaseException:
+            self._release_all()
+            raise
+        self.seconds = time.monotonic() - start if size else 0.0
+        return self
+
+    def release_for(self, consumed: int) -> None:
+        """Hand back chunks until `lead` bytes lie ahead of `consumed`."""
+        count = chunks_to_release(self.released, consumed, self.lead, self.chunk, len(self._chunks))
+        for _ in range(count):
+            area = self._chunks.pop()
+            self.released += len(area)
+            area.close()
+
+    def _release_all(self) -> None:
+        while self._chunks:
+            self._chunks.pop().close()
+
+    def __exit__(self, *exc: object) -> None:
+        self._release_all()
+
+
+def _fault_in(size: int, huge: bool) -> mmap.mmap:
+    """`size` bytes of fresh anonymous memory, faulted in."""
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
+        with contextlib.suppress(OSError):
+            area.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        area.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # older kernel: touch a byte per page instead
+        for offset in range(0, size, mmap.PAGESIZE):
+            area[offset] = 1
+    return area
 
 
 # Enough to time (a few 2 MiB blocks), little enough to sample every second.
@@ -174,11 +249,11 @@ FAULT_PROBE_BYTES = 16 << 20
 
 def fault_cost(nbytes: int = FAULT_PROBE_BYTES) -> float:
     """Seconds per GiB it costs now to fault in fresh anonymous memory: the
-    price the next process that allocates pays (warm_free_memory says why
+    price the next process that allocates pays (WarmReserve says why
     it varies on a host that is itself a guest: ~0.09 s per GiB for memory
     freed moments ago, ~2.2 s once the host's own hypervisor took it back).
     The memory is released again at once."""
     size = max(2 << 20, nbytes // (2 << 20) * (2 << 20))
     start = time.monotonic()
-    _fault_in_and_release(size, huge=False)
+    _fault_in(size, huge=False).close()
     return (time.monotonic() - start) * (1 << 30) / size
