@@ -34,7 +34,7 @@ from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.fleet.domain import VIRTIO_MEM_ALIAS, domain_xml
 from thinvm.guest import image as guest_image
-from thinvm.guest.trim import reclaimer_status
+from thinvm.guest.trim import reclaimer_status, set_background
 from thinvm.host.memory import process_memory
 from thinvm.units import KiB, MiB
 
@@ -290,6 +290,54 @@ def test_the_packaged_agent_gives_a_read_once_cache_back_by_itself(
               f"in {time.monotonic() - start:.0f} s")  # fmt: skip
     finally:
         in_guest(h, name, f"rm -f {COLD_FILE}")
+
+
+def test_balance_controller_trims_a_libvirt_domain_under_host_pressure(
+    shared_guest: SharedGuest, tmp_path: Path
+) -> None:
+    """Under host pressure the controller asks a libvirt domain's guest,
+    through the agent channel libvirt manages, to trim its cold cache now,
+    as it does for thinvm's own VMs (issue 47): the guest has read a file
+    once with its background reclaimer off; the guests' RSS budget is set
+    below what the domain holds; the floor forbids the balloon, so only a
+    trim can give memory back; QEMU's RSS falls by half the file."""
+    name = shared_guest.name
+    h = shared_guest.running()
+    state = tmp_path / "balance.json"
+    pid = guest.qemu_pid(h, name)
+    client = guest.agent(h, name)
+    try:
+        set_background(client, False)
+    finally:
+        client.close()
+    try:
+        in_guest(h, name, f"thinvm-mem pattern write {COLD_FILE} {COLD_MIB} --seed 7 "
+                 f">/dev/null && sync && echo 1 >/proc/sys/vm/drop_caches && "
+                 f"cat {COLD_FILE} >/dev/null")  # fmt: skip
+        read = process_memory(pid).rss
+        budget = read - COLD_MIB * MiB // 2
+        run = thinvm_cli(
+            "balance", "run", "--connect", h.uri, "--vm", name, "--budget", f"{budget // MiB}M",
+            "--floor-fraction", "1.0", "--cycles", "6", "--interval", "2",
+            "--state", str(state), timeout=300,
+        )  # fmt: skip
+        out = run.stdout + run.stderr
+        print(out)
+        assert run.returncode == 0, out
+        assert "host short: trim" in out and "trimming up to" in out, out
+        assert memstat(h, name)["actual"] * KiB == MEMORY, "the floor let the balloon act"
+        wait_for(
+            lambda: process_memory(pid).rss <= read - COLD_MIB * MiB // 2,
+            "QEMU's RSS to fall by half the file read once",
+            timeout=120,
+        )
+    finally:
+        in_guest(h, name, f"rm -f {COLD_FILE}")
+        client = guest.agent(h, name)
+        try:
+            set_background(client, True)  # as packaged, for the tests after
+        finally:
+            client.close()
 
 
 def test_faults_at_the_destination_leave_the_guest_on_the_source(
