@@ -50,7 +50,7 @@ from thinvm.fleet.domain import DomainSpec
 from thinvm.fleet.trace import Trace
 from thinvm.guest import image as guest_image
 from thinvm.guest.trim import set_background
-from thinvm.host.memory import process_memory
+from thinvm.host.memory import process_memory, wait_settled
 from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
@@ -225,17 +225,10 @@ def _qemu_binary(h: Host, name: str) -> str:
     return exe.removeprefix(str(h.rootfs)) if h.packaged else exe
 
 
-def _settle_rss(h: Host, name: str, timeout: float = 60.0, quiet: float = 4.0) -> int:
-    """Wait until the source QEMU's RSS stops falling (reporting done)."""
-    start = time.monotonic()
-    low, last_drop = _qemu_rss(h, name), start
-    while time.monotonic() - last_drop < quiet and time.monotonic() - start < timeout:
-        time.sleep(0.5)
-        rss = _qemu_rss(h, name)
-        if rss < low - 8 * MiB:
-            low, last_drop = rss, time.monotonic()
-        low = min(low, rss)
-    return low
+def _settle_rss(h: Host, name: str, timeout: float = 60.0) -> int:
+    """Wait until the source QEMU's RSS stops falling (reporting done):
+    the one settle rule (thinvm.host.memory.wait_settled)."""
+    return wait_settled(lambda: _qemu_rss(h, name), timeout).value
 
 
 _MS = re.compile(r"^\s*([0-9.]+)\s*ms")
