@@ -105,6 +105,14 @@ LABELS = {
     "trim_reclaimed_bytes": "guest reclaimed (trim)",
     "trim_guest_s": "guest trim time",
     "trim_settle_s": "wait for reporting after drop/trim",
+    # fleet-migrate: a libvirt migration's phases (thinvm.fleet.trace.PHASES).
+    "libvirt_elapsed_ms": "libvirt job elapsed",
+    "trace_checks_ms": "phase: thinvm's checks before virsh",
+    "trace_setup_ms": "phase: libvirt + QEMU set-up (virsh called to first pass)",
+    "trace_live_ms": "phase: live transfer (first pass to pause)",
+    "trace_paused_ms": "phase: paused (source pause to destination resume)",
+    "trace_finish_ms": "phase: libvirt's finish (resume to virsh returning)",
+    "trace_stats_ms": "phase: thinvm reads the job statistics",
 }
 
 
