@@ -46,6 +46,8 @@ static const char * const tb_counter_names[TB_NR_COUNTERS] = {
 	[TB_WHOLE_BLOCKS_HELD] = "whole_blocks_held",
 	[TB_WHOLE_BLOCKS_SPLIT] = "whole_blocks_split",
 	[TB_DEFLATED_BLOCKS] = "deflated_blocks",
+	[TB_REPORT_NOW_RUNS] = "report_now_runs",
+	[TB_REPORT_NOW_PASSES] = "report_now_passes",
 };
 
 static struct dentry *tb_debugfs_dir;
@@ -141,3 +143,7 @@ TB_COUNTER_PARAM(whole_blocks_split, TB_WHOLE_BLOCKS_SPLIT,
 		 "whole blocks split into single balloon pages to deflate part of one");
 TB_COUNTER_PARAM(deflated_blocks, TB_DEFLATED_BLOCKS,
 		 "pageblocks deflated and freed whole, not page by page (range mode)");
+TB_COUNTER_PARAM(report_now_runs, TB_REPORT_NOW_RUNS,
+		 "writes to the device's report_now attribute");
+TB_COUNTER_PARAM(report_now_passes, TB_REPORT_NOW_PASSES,
+		 "reporting passes run at once for report_now");

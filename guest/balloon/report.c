@@ -15,13 +15,21 @@
  * device must either reproduce it or not discard: that is what
  * poison_val tells it.  tb_validate() refuses reporting when the guest
  * fills free pages and the device does not offer PAGE_POISON.
+ *
+ * report_now, an attribute of the virtio device, lets the guest agent have
+ * what a trim just freed reported at once rather than at the kernel's
+ * pace (see report_now_store()).
  */
+#include <linux/device.h>
+#include <linux/jiffies.h>
+#include <linux/kstrtox.h>
 #include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/poison.h>
 #include <linux/scatterlist.h>
 #include <linux/string.h>
+#include <linux/workqueue.h>
 
 #include "thinvm_balloon.h"
 
@@ -78,6 +86,61 @@ static int tb_report(struct page_reporting_dev_info *pr,
 }
 
 /*
+ * A report_now write runs at most this many passes, for at most this
+ * long: a pass that reports nothing ends it earlier.
+ */
+#define TB_REPORT_NOW_PASSES_MAX	256
+#define TB_REPORT_NOW_TIMEOUT		(10 * HZ)
+
+/*
+ * Report what is free now, pass after pass, until a pass finds nothing.
+ *
+ * mm/page_reporting.c starts a pass at most every 2 s (PAGE_REPORTING_DELAY)
+ * and takes only about a sixteenth of each free list per pass (its budget),
+ * re-arming itself for the rest: "all pages on an idle system in about 30
+ * seconds".  That pace suits memory freed in passing; a trim frees
+ * gigabytes at once and its caller waits for the host to get them: ~1.7 GiB
+ * took 8-11 s more than the reclaim itself.
+ * The work item that runs a pass is the one page_reporting_register() set
+ * up in our page_reporting_dev_info; running it at once does here what its
+ * re-arming would do 2 s later.  Pages are taken off the free lists only by
+ * the pass itself, as always.
+ */
+static ssize_t report_now_store(struct device *dev,
+				struct device_attribute *attr,
+				const char *buf, size_t count)
+{
+	struct thinvm_balloon *tb = dev_to_virtio(dev)->priv;
+	unsigned long deadline = jiffies + TB_REPORT_NOW_TIMEOUT;
+	long before;
+	bool now;
+	int pass;
+	int err;
+
+	err = kstrtobool(buf, &now);
+	if (err)
+		return err;
+	if (!now)
+		return count;
+
+	mutex_lock(&tb->report_now_lock);
+	tb_count(TB_REPORT_NOW_RUNS, 1);
+	for (pass = 0; pass < TB_REPORT_NOW_PASSES_MAX; pass++) {
+		before = atomic_long_read(&tb_counters[TB_REPORT_PAGES]);
+		mod_delayed_work(system_wq, &tb->pr_dev_info.work, 0);
+		flush_delayed_work(&tb->pr_dev_info.work);
+		tb_count(TB_REPORT_NOW_PASSES, 1);
+		if (atomic_long_read(&tb_counters[TB_REPORT_PAGES]) == before ||
+		    time_after(jiffies, deadline) || signal_pending(current))
+			break;
+		cond_resched();
+	}
+	mutex_unlock(&tb->report_now_lock);
+	return count;
+}
+static DEVICE_ATTR_WO(report_now);
+
+/*
  * After DRIVER_OK, since reports may start at once.  A failure here is
  * not fatal: the balloon works without reporting, for instance while
  * another driver (there can be only one) has reporting registered.
@@ -109,6 +172,9 @@ void tb_report_setup(struct thinvm_balloon *tb)
 	tb->reporting = true;
 	WRITE_ONCE(tb_report_order_now,
 		   thinvm_reporting_order(&tb->pr_dev_info));
+	/* Optional too: without it reports come at the kernel's pace. */
+	if (device_create_file(dev, &dev_attr_report_now))
+		dev_warn(dev, "cannot create report_now\n");
 	dev_info(dev, "free page reporting on, order %d\n",
 		 READ_ONCE(tb_report_order_now));
 }
@@ -117,6 +183,8 @@ void tb_report_teardown(struct thinvm_balloon *tb)
 {
 	if (!tb->reporting)
 		return;
+	/* Waits for a report_now write in progress, so none is left after. */
+	device_remove_file(&tb->vdev->dev, &dev_attr_report_now);
 	page_reporting_unregister(&tb->pr_dev_info);
 	tb->reporting = false;
 	WRITE_ONCE(tb_report_order_now, -1);

@@ -144,6 +144,8 @@ struct thinvm_balloon {
 	/* VIRTIO_BALLOON_F_REPORTING */
 	struct page_reporting_dev_info pr_dev_info;
 	bool reporting;
+	/* Serialises report_now writers (see report.c). */
+	struct mutex report_now_lock;
 
 	/*
 	 * VIRTIO_BALLOON_F_RANGES.  Deflate and migration build their
@@ -240,6 +242,8 @@ enum tb_counter {
 	TB_WHOLE_BLOCKS_HELD,	/* held now */
 	TB_WHOLE_BLOCKS_SPLIT,
 	TB_DEFLATED_BLOCKS,
+	TB_REPORT_NOW_RUNS,
+	TB_REPORT_NOW_PASSES,
 	TB_NR_COUNTERS
 };
 

@@ -10,6 +10,7 @@ import pytest
 
 from thinvm.guest import trim
 from thinvm.guest.agent import AgentClient
+from thinvm.host.memory import Settled
 
 Answer = Callable[[str], bytes | None]
 
@@ -116,3 +117,41 @@ def test_expected_return_is_most_of_what_the_guest_freed() -> None:
 def test_describe_untrimmed_is_one_line() -> None:
     result = trim.TrimResult(False, "the guest agent did not answer within 10 s", 5, 5, 0.0)
     assert result.describe("vm1") == "vm1: not trimmed: the guest agent did not answer within 10 s"
+
+
+def test_a_trim_reported_at_once_waits_for_nothing(
+    agent: Callable[[Answer], AgentClient],
+) -> None:
+    """The driver's report_now ran before the agent answered, and QEMU
+    discards what is reported before acknowledging it: the host's RSS is
+    read once, with no settle wait (which would poll until a quiet 4 s)."""
+    answer = {
+        "available": True, "reclaimed_bytes_trim": 500 << 20, "stop": "floor",
+        "free_before": 100 << 20, "free_after": 600 << 20, "reported_now": True,
+        "elapsed_ms": 2100, "cache_before": 700 << 20, "cache_after": 200 << 20,
+    }  # fmt: skip
+    readings = iter([1000 << 20, 520 << 20])
+    result = trim.trim_guest(agent(lambda _line: json_reply(answer)), lambda: next(readings), True)
+    assert (result.rss_after, result.settle_seconds) == (520 << 20, 0.0)
+    assert "reported at once" in result.describe("vm1")
+
+
+def test_a_trim_left_to_the_kernels_pace_waits_for_the_host(
+    agent: Callable[[Answer], AgentClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answer = {
+        "available": True, "reclaimed_bytes_trim": 500 << 20, "stop": "floor",
+        "free_before": 100 << 20, "free_after": 600 << 20, "reported_now": False,
+    }  # fmt: skip
+    waited: list[int] = []
+
+    def settle(read: Callable[[], int], timeout: float, *, enough: int) -> Settled:
+        waited.append(enough)
+        return Settled(read(), 7.5, 7.0, True)
+
+    monkeypatch.setattr(trim, "wait_settled", settle)
+    readings = iter([1000 << 20, 560 << 20])
+    result = trim.trim_guest(agent(lambda _line: json_reply(answer)), lambda: next(readings), True)
+    assert waited == [trim.expected_return(answer)]
+    assert (result.rss_after, result.settle_seconds) == (560 << 20, 7.5)
+    assert "settled after 7.5 s" in result.describe("vm1")

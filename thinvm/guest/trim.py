@@ -2,9 +2,11 @@
 
 The guest's agent reclaims cold page cache (TRIM, docs/protocol/agent.md)
 and compacts; free page reporting then hands the freed blocks to QEMU,
-which discards them.  Reporting is asynchronous (the guest waits 2 s
-after pages are freed, then reports in batches), so "done" is when the
-QEMU process's RSS has stopped falling.
+which discards them.  With our driver the agent has them reported at
+once (`report_now`, docs/guest-driver.md) and the answer says so: the
+host has them back when the answer arrives.  Otherwise reporting is
+asynchronous (a pass every 2 s, a sixteenth of each free list per pass),
+so "done" is when the QEMU process's RSS has stopped falling.
 """
 
 import json
@@ -61,9 +63,14 @@ class TrimResult:
             f"page cache {format_size(int(g.get('cache_before', 0)))} -> "
             f"{format_size(int(g.get('cache_after', 0)))}); host RSS "
             f"{format_size(self.rss_before)} -> {format_size(self.rss_after)} "
-            f"({format_size(self.returned)} returned, settled after {self.settle_seconds:.1f} s)"
+            f"({format_size(self.returned)} returned, {self._how_returned()})"
         )
         return f"{line}; {self.note}" if self.note else line
+
+    def _how_returned(self) -> str:
+        if self.guest.get("reported_now"):
+            return "reported at once"
+        return f"settled after {self.settle_seconds:.1f} s"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -123,7 +130,11 @@ def trim_guest(
     if not reporting:
         note = "free page reporting is off, so the host keeps what the guest freed"
         return TrimResult(True, note, rss_before, read_rss(), 0.0, reply)
-    if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM:
+    if int(reply.get("reclaimed_bytes_trim", 0)) < MIN_RECLAIM or reply.get("reported_now"):
+        # Reported at once (thinvm_balloon's report_now): the driver
+        # waited for every report to be acknowledged, and QEMU discards
+        # a report's pages before it acknowledges it, so the host has it
+        # all back already.
         return TrimResult(True, "", rss_before, read_rss(), 0.0, reply)
     settled = wait_settled(read_rss, settle_timeout, enough=expected_return(reply))
     return TrimResult(True, "", rss_before, settled.value, settled.seconds, reply)
