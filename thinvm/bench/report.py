@@ -105,6 +105,8 @@ LABELS = {
     "trim_reclaimed_bytes": "guest reclaimed (trim)",
     "trim_guest_s": "guest trim time",
     "trim_settle_s": "wait for reporting after drop/trim",
+    "trim_reclaim_s": "guest reclaim + compaction alone",
+    "trim_over_reclaim": "whole trim / reclaim alone (x)",
     # fleet-migrate: a libvirt migration's phases (thinvm.fleet.trace.PHASES).
     "libvirt_elapsed_ms": "libvirt job elapsed",
     "trace_checks_ms": "phase: thinvm's checks before virsh",

@@ -265,11 +265,16 @@ def trim_first(ctx: RunContext, src: VM) -> Metrics:
     ctx.note("trim", result.to_json())
     if not result.trimmed:
         raise ThinvmError(f"the guest did not trim: {result.note}")
-    return {
+    metrics: Metrics = {
         "trim_reclaimed_bytes": result.reclaimed,
         "trim_guest_s": int(result.guest.get("elapsed_ms", 0)) / 1000,
         "trim_settle_s": result.settle_seconds,
     }
+    if "reclaim_ms" in result.guest:
+        # The reclaim and compaction alone: issue 47 wants the whole trim
+        # within 1.5x of it (trim_ms / trim_reclaim_s, see prepared()).
+        metrics["trim_reclaim_s"] = int(result.guest["reclaim_ms"]) / 1000
+    return metrics
 
 
 def mount_command(source: DataSource) -> str:
@@ -306,6 +311,9 @@ def prepared(ctx: RunContext, src: VM, prepare: Prepare | None) -> Metrics:
     metrics = prepare(ctx, src) if prepare else {}
     elapsed_ms = (time.monotonic() - start) * 1000 if prepare else 0.0
     rss_after = src.host_memory().rss
+    reclaim_s = metrics.get("trim_reclaim_s")
+    if isinstance(reclaim_s, (int, float)) and reclaim_s > 0:
+        metrics["trim_over_reclaim"] = round(elapsed_ms / 1000 / reclaim_s, 2)
     return {
         **metrics,
         "trim_ms": elapsed_ms,
