@@ -28,7 +28,10 @@ from tests.conftest import (
     wait_for,
 )
 from tests.integration.tls_isolation import assert_qemus_files_open_no_peer
-from thinvm.balance.backends import LibvirtBackend, parse_domstats
+from thinvm.balance.backends import DomainRssBudget, LibvirtBackend, parse_domstats
+from thinvm.balance.cli import LimitsFromArgs
+from thinvm.balance.daemon import Controller
+from thinvm.balance.policies import make_policy
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
@@ -293,38 +296,49 @@ def test_the_packaged_agent_gives_a_read_once_cache_back_by_itself(
 
 
 def test_balance_controller_trims_a_libvirt_domain_under_host_pressure(
-    shared_guest: SharedGuest, tmp_path: Path
+    shared_guest: SharedGuest,
 ) -> None:
     """Under host pressure the controller asks a libvirt domain's guest,
     through the agent channel libvirt manages, to trim its cold cache now,
     as it does for thinvm's own VMs (issue 47): the guest has read a file
     once with its background reclaimer off; the guests' RSS budget is set
     below what the domain holds; the floor forbids the balloon, so only a
-    trim can give memory back; QEMU's RSS falls by half the file."""
+    trim can give memory back; QEMU's RSS falls by half the file.
+
+    The controller runs here as `balance run --connect URI --budget SIZE
+    --floor-fraction 1` would, but sees the simulated host's files where
+    this machine has them (LibvirtBackend's `outside`), as a controller in
+    a container sees its host's: the agent's socket is under the host's
+    libvirt directories."""
     name = shared_guest.name
     h = shared_guest.running()
-    state = tmp_path / "balance.json"
     pid = guest.qemu_pid(h, name)
     client = guest.agent(h, name)
     try:
         set_background(client, False)
     finally:
         client.close()
+    log: list[str] = []
     try:
         in_guest(h, name, f"thinvm-mem pattern write {COLD_FILE} {COLD_MIB} --seed 7 "
                  f">/dev/null && sync && echo 1 >/proc/sys/vm/drop_caches && "
                  f"cat {COLD_FILE} >/dev/null")  # fmt: skip
         read = process_memory(pid).rss
-        budget = read - COLD_MIB * MiB // 2
-        run = thinvm_cli(
-            "balance", "run", "--connect", h.uri, "--vm", name, "--budget", f"{budget // MiB}M",
-            "--floor-fraction", "1.0", "--cycles", "6", "--interval", "2",
-            "--state", str(state), timeout=300,
-        )  # fmt: skip
-        out = run.stdout + run.stderr
+        backend = LibvirtBackend(h.uri, names=[name], log=log.append, outside=h.outside)
+        controller = Controller(
+            backend=backend,
+            host=DomainRssBudget(read - COLD_MIB * MiB // 2, backend),
+            policy=make_policy("thinvm"),
+            interval=2.0,
+            default_limits=LimitsFromArgs(None, 1.0),  # the balloon may not move
+            log=log.append,
+            verbose=True,
+        )
+        controller.run(cycles=6)
+        out = "\n".join(log)
         print(out)
-        assert run.returncode == 0, out
         assert "host short: trim" in out and "trimming up to" in out, out
+        assert controller.trims >= 1, out
         assert memstat(h, name)["actual"] * KiB == MEMORY, "the floor let the balloon act"
         wait_for(
             lambda: process_memory(pid).rss <= read - COLD_MIB * MiB // 2,

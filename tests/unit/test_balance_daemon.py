@@ -278,7 +278,7 @@ def test_libvirt_backend_reaches_the_reclaimer_through_the_domains_agent_channel
     xml = live_xml_with_agent()
     stats = "Domain: 'web'\n  balloon.current=524288\n  balloon.maximum=524288\n"
     backend = FakeVirsh({"web": xml}, stats)
-    backend.host_root = tmp_path
+    backend.outside = lambda path: tmp_path / path.lstrip("/")
     asked: list[str] = []
 
     def reclaimer(name: str, agent: Any) -> Reclaimer:

@@ -656,8 +656,10 @@ class LibvirtBackend:
     to libvirt) has its guest reclaimer driven as thinvm's own VMs have:
     background mode switched on, bounded trims under host pressure.  The
     controller runs on the host, where libvirt's socket paths are valid;
-    `host_root` is where the host's / is for one that sees it elsewhere
-    (a container with the host's root mounted).
+    `outside` maps a path on the host to where this controller sees it,
+    for one that sees the host's files elsewhere (a container with the
+    host's root mounted; a simulated cluster host, thinvm.fleet.cluster's
+    Host.outside); by default the paths are the controller's own.
     """
 
     name = "libvirt"
@@ -668,13 +670,13 @@ class LibvirtBackend:
         stats_period: int = STATS_POLL_SECONDS,
         names: Sequence[str] = (),
         log: Callable[[str], None] = lambda _line: None,
-        host_root: Path = Path("/"),
+        outside: Callable[[str], Path] = Path,
     ) -> None:
         self.uri = uri
         self.log = log
         self._names = set(names)
         self.stats_period = stats_period
-        self.host_root = host_root
+        self.outside = outside
         self._period_set: set[str] = set()
         self._virtio_mem: dict[str, DomainVirtioMem] = {}
         self._errors: list[str] = []
@@ -781,10 +783,10 @@ class LibvirtBackend:
         if path is None:
             self._drop_agent(name)
             return None
-        seen = str(self.host_root / path.lstrip("/"))
+        seen = str(self.outside(path))
         if not Path(seen).exists():
             # Not there (yet): the domain is starting, or this controller
-            # does not see the host's paths (host_root).  The balloon only.
+            # does not see the host's paths (outside).  The balloon only.
             self._drop_agent(name)
             return None
         client = self._agents.get(name)
