@@ -627,7 +627,6 @@ static int tb_probe(struct virtio_device *vdev)
 	spin_lock_init(&tb->wake_lock);
 	init_waitqueue_head(&tb->acked);
 	mutex_init(&tb->lock);
-	mutex_init(&tb->report_now_lock);
 	balloon_devinfo_init(&tb->b_dev_info);
 	tb_compaction_setup(tb);
 

@@ -24,6 +24,7 @@
 #include <linux/jiffies.h>
 #include <linux/kstrtox.h>
 #include <linux/mm.h>
+#include <linux/mutex.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
 #include <linux/poison.h>
@@ -92,6 +93,9 @@ static int tb_report(struct page_reporting_dev_info *pr,
 #define TB_REPORT_NOW_PASSES_MAX	256
 #define TB_REPORT_NOW_TIMEOUT		(10 * HZ)
 
+/* One report_now writer at a time (there is normally one device). */
+static DEFINE_MUTEX(tb_report_now_lock);
+
 /*
  * Report what is free now, pass after pass, until a pass finds nothing.
  *
@@ -123,7 +127,7 @@ static ssize_t report_now_store(struct device *dev,
 	if (!now)
 		return count;
 
-	mutex_lock(&tb->report_now_lock);
+	mutex_lock(&tb_report_now_lock);
 	tb_count(TB_REPORT_NOW_RUNS, 1);
 	for (pass = 0; pass < TB_REPORT_NOW_PASSES_MAX; pass++) {
 		before = atomic_long_read(&tb_counters[TB_REPORT_PAGES]);
@@ -135,7 +139,7 @@ static ssize_t report_now_store(struct device *dev,
 			break;
 		cond_resched();
 	}
-	mutex_unlock(&tb->report_now_lock);
+	mutex_unlock(&tb_report_now_lock);
 	return count;
 }
 static DEVICE_ATTR_WO(report_now);

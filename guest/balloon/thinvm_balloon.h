@@ -144,8 +144,6 @@ struct thinvm_balloon {
 	/* VIRTIO_BALLOON_F_REPORTING */
 	struct page_reporting_dev_info pr_dev_info;
 	bool reporting;
-	/* Serialises report_now writers (see report.c). */
-	struct mutex report_now_lock;
 
 	/*
 	 * VIRTIO_BALLOON_F_RANGES.  Deflate and migration build their
