@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from thinvm.bench import scenarios as bench_scenarios
-from thinvm.bench.scenarios import fleet
+from thinvm.bench.scenarios import fleet, fleet_ws
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
 from thinvm.bench.types import BenchOptions, Scenario
-from thinvm.fleet import cluster, emulator, guest
+from thinvm.errors import ThinvmError
+from thinvm.fleet import cluster, emulator, guest, migrate
 from thinvm.guest import image as guest_image
 from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import MiB
@@ -136,3 +137,49 @@ def test_agent_sockets_of_bench_clusters_fit_a_unix_socket_path(name: str) -> No
     channel = f"/run/libvirt/qemu/channel/9999-{fleet.GUEST}/{AGENT_PORT}"
     # libvirt 11.3 names the channel directory by domain id and name.
     assert len(bytes(host.outside(channel))) <= 107
+
+
+# -- fleet-working-set (thinvm.bench.scenarios.fleet_ws) ----------------------
+
+
+def test_fleet_working_set_sides_run_their_qemu_from_plain_xml() -> None:
+    """Every guest is plain XML (no sparse-ram capability): the stock rows on
+    Debian's QEMU (h3 -> h4), thinvm on thinvm-qemu (h1 -> h2), three
+    guests of their own names."""
+    for name, side in fleet_ws.SIDES.items():
+        run = side.run("bench-ws-2")
+        spec = run.domain(IMAGE, 4096 * MiB, SHARED)
+        assert spec.name == "bench-ws-2" and spec.disk == SHARED / "bench-ws-2.qcow2"
+        assert spec.sparse_ram is None, name
+        assert run.route == (("h1", "h2") if name == "thinvm" else ("h3", "h4"))
+    assert fleet_ws.SIDES["thinvm"].controller and fleet_ws.SIDES["thinvm"].reclaimer
+    assert fleet_ws.SIDES["stock-reclaimer"].reclaimer
+    assert not fleet_ws.SIDES["stock-best"].reclaimer
+
+
+def test_fleet_working_set_workload_is_checked() -> None:
+    params = dict(fleet_ws.SPEC.params)
+    work = fleet_ws.make_workload(params, 4096 * MiB)
+    assert (work.data, work.hot, work.passes) == (2048 * MiB, 256 * MiB, 5)
+    with pytest.raises(ThinvmError, match="cannot hold"):
+        fleet_ws.make_workload({**params, "data": "3900M"}, 4096 * MiB)
+    with pytest.raises(ThinvmError, match="hot within data"):
+        fleet_ws.make_workload({**params, "hot": "3G"}, 4096 * MiB)
+
+
+def test_cpu_lists_parse_as_the_kernel_prints_them() -> None:
+    assert fleet_ws._cpu_list("0-2,4\n") == [0, 1, 2, 4]
+    assert fleet_ws._cpu_list("1") == [1]
+
+
+def test_a_leg_sums_migrations_and_keeps_the_worst_downtime() -> None:
+    leg = fleet_ws.Leg("parallel_")
+    for seconds, downtime in ((1.5, "40 ms"), (2.0, "90 ms")):
+        job = {"Data processed": "100.000 MiB", "Total downtime": downtime}
+        result = migrate.MigrationResult(seconds, "h1", "h2", job, {"sparse-skipped": 10}, 1)
+        leg.add(result, {"src_cpu_s": 0.5}, 0.25)
+    assert leg.metrics == {
+        "parallel_migration_ms": 3500.0, "parallel_transferred_bytes": 200 * MiB,
+        "parallel_downtime_ms": 90.0, "parallel_src_cpu_s": 1.0,
+        "parallel_sparse_skipped_pages": 20, "parallel_hot_reread_ms": 500.0,
+    }  # fmt: skip

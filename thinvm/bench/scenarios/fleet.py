@@ -114,6 +114,7 @@ class FleetRun:
     # destination with Debian's QEMU; the stack's build is the source's.
     to_build: str | None = None
     balloon_to: int | None = None
+    name: str = GUEST  # the domain's name
 
     @property
     def kind(self) -> ClusterKind:
@@ -140,7 +141,7 @@ class FleetRun:
 
     def guest_spec(self, size: int, kernel: str) -> guest.GuestSpec:
         return guest.GuestSpec(
-            GUEST, memory=size, kernel=kernel, build=self.stack.build,
+            self.name, memory=size, kernel=kernel, build=self.stack.build,
             thinvm=self.stack.ranges or self.stack.sparse, portable=self.portable,
             hint=self.stack.hint,
         )  # fmt: skip
@@ -199,20 +200,20 @@ class _Clusters:
         return self.states[name]
 
 
-_clusters = _Clusters()
+clusters = _Clusters()
 
 
 @contextlib.contextmanager
-def _cluster(link: str) -> Iterator[None]:
+def cluster_session(link: str) -> Iterator[None]:
     for flavour in ("patched", "stock"):
         emulator.install(flavour)
     with contextlib.ExitStack() as stack:
-        _clusters.link, _clusters.stack = link, stack
+        clusters.link, clusters.stack = link, stack
         try:
             yield
         finally:
-            _clusters.stack = None
-            _clusters.states.clear()
+            clusters.stack = None
+            clusters.states.clear()
 
 
 def _qemu_rss(h: Host, name: str) -> int:
@@ -234,7 +235,8 @@ def _settle_rss(h: Host, name: str, timeout: float = 60.0) -> int:
 _MS = re.compile(r"^\s*([0-9.]+)\s*ms")
 
 
-def _ms(job: dict[str, str], key: str) -> float | None:
+def job_ms(job: dict[str, str], key: str) -> float | None:
+    """A `domjobinfo` figure in ms ("93 ms"), or None."""
     match = _MS.match(job.get(key, ""))
     return float(match.group(1)) if match else None
 
@@ -243,7 +245,7 @@ def _run_one(
     opts: BenchOptions, size: int, used: int, plan: FleetRun
 ) -> Callable[[RunContext], Metrics]:
     def run(ctx: RunContext) -> Metrics:
-        state = _clusters.get(plan.cluster)
+        state = clusters.get(plan.cluster)
         src, dst = (state.host(n) for n in plan.route)
         image = guest_image.ensure_disk_image(opts.kernel)
         shared = cluster.shared_dir(Path(src.root).parent.parent)
@@ -325,8 +327,8 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
     ctx.note("capabilities", sorted(result.capabilities))
     return {
         "migration_ms": round(result.seconds * 1000, 1),
-        "libvirt_elapsed_ms": _ms(result.job, "Time elapsed"),
-        "downtime_ms": _ms(result.job, "Total downtime"),
+        "libvirt_elapsed_ms": job_ms(result.job, "Time elapsed"),
+        "downtime_ms": job_ms(result.job, "Total downtime"),
         "transferred_bytes": migrate.job_bytes(result.job),
         "sparse_skipped_pages": result.ram.get("sparse-skipped"),
         "src_rss_bytes": src_rss,
@@ -466,7 +468,7 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
             "channels": CHANNELS,
             "kernel": opts.kernel,
         },
-        context=lambda: _cluster(link),
+        context=lambda: cluster_session(link),
         targets=[
             Target(
                 "issue 11: a guest using 1/8 of its RAM migrates through libvirt at least "
