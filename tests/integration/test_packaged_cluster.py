@@ -5,7 +5,9 @@ QEMU 10.0.2 at first.  One at a time each host installs thinvm-qemu with
 apt from the local repository while a guest moves off it and back, its
 data verified at every step; then one host purges the package and runs
 stock again.  A guest from operator-style XML (no qemu: namespace) runs
-and migrates on the upgraded hosts as libvirt-qemu.
+and migrates on the upgraded hosts as libvirt-qemu.  A second rolling
+upgrade goes through the host-wide opt-in (thinvm-qemu-default), with
+domains naming Debian's QEMU and plain `virsh migrate`, as Nova runs.
 
 One cluster serves the module (up about 20 s: the three libvirtd probe
 Debian's QEMU at once).
@@ -466,6 +468,70 @@ def test_host_wide_opt_in_runs_thinvm_qemu_at_debians_path(
             cluster.host_apt(packaged, "h3", "purge", OPT_IN)
 
 
+def plain_virsh_migrate(src: Host, dst: Host, name: str) -> dict[str, str]:
+    """`virsh migrate` as Nova issues it (no XML of ours, no <emulator>
+    switch, no capability): live, peer-to-peer, multifd; the destination's
+    statistics of the job."""
+    tls = ["--tls"] if dst.tls else []
+    virsh(src, "migrate", "--live", "--p2p", "--persistent", "--undefinesource", *tls,
+          "--parallel", "--parallel-connections", "2", name, dst.peer_uri)  # fmt: skip
+    return migrate.parse_jobinfo(virsh(dst, "domjobinfo", name, "--completed"))
+
+
+def zero_pages(job: dict[str, str]) -> int:
+    """Pages the source found zero and sent as such ("Constant pages")."""
+    return int(job.get("Constant pages", "0"))
+
+
+def test_rolling_upgrade_through_the_host_wide_opt_in(
+    packaged: ClusterState, image: guest_image.DiskImage
+) -> None:
+    """Issue 47, item 4: a cluster whose tooling writes Debian's emulator
+    path into every domain and migrates with plain virsh upgrades one host
+    at a time with `apt install thinvm-qemu-default`.  The guest's XML
+    names /usr/bin/qemu-system-x86_64 all along; on an upgraded host that
+    path runs thinvm-qemu, which leaves out what the guest never touched
+    (it sends those pages, zero, from a stock host); taken out again with
+    `apt purge`, the host runs Debian's QEMU.  Same boot, data verified at
+    every step."""
+    name = "optin-rolling"
+    h1, h2, h3 = (packaged.host(n) for n in ("h1", "h2", "h3"))
+    for h in (h1, h2, h3):  # every host on Debian's QEMU, whatever ran before
+        with contextlib.suppress(ThinvmError):
+            cluster.host_apt(packaged, h.name, "purge", OPT_IN, "thinvm-qemu")
+        assert cluster.host_flavour(h) == "stock"
+    start(packaged, image, name, "h1", binary=emulator.PACKAGED_STOCK)
+    try:
+        in_guest(h1, name, f"thinvm-mem pattern write {PATTERN} {PATTERN_MIB} --seed 61")
+        booted = boot_id(h1, name)
+        untouched = MEMORY // 4 // 4096
+        stock_leg = plain_virsh_migrate(h1, h2, name)  # stock -> stock
+        assert qemu_of(h2, name) == (STOCK, cluster.QEMU_USER)
+        assert zero_pages(stock_leg) > untouched, stock_leg
+        verify(h2, name, 61)
+
+        for upgraded, frm, to in ((h1, h2, h1), (h2, h1, h2), (h3, h2, h3)):
+            cluster.host_apt(packaged, upgraded.name, "install", "--no-install-recommends", OPT_IN)
+            skips = cluster.host_flavour(frm) == "patched"
+            job = plain_virsh_migrate(frm, to, name)
+            assert f"<emulator>{STOCK}</emulator>" in virsh(to, "dumpxml", name)
+            assert qemu_of(to, name) == (THINVM, cluster.QEMU_USER)
+            verify(to, name, 61)
+            if skips:
+                assert zero_pages(job) < untouched, job
+
+        # h1 is taken out of thinvm: purged while it runs no guest, it takes
+        # the guest on Debian's QEMU from an upgraded host.
+        cluster.host_apt(packaged, "h1", "purge", OPT_IN, "thinvm-qemu")
+        assert diversions(packaged, "h1") == "" and cluster.host_flavour(h1) == "stock"
+        plain_virsh_migrate(h3, h1, name)
+        assert qemu_of(h1, name) == (STOCK, cluster.QEMU_USER)
+        verify(h1, name, 61)
+        assert boot_id(h1, name) == booted
+    finally:
+        remove(packaged, name)
+
+
 def guest_cgroups_hold(h: Host, name: str) -> None:
     """libvirt put the guest's QEMU in cgroups of its own below the host's
     machine.slice, in every hierarchy (none in the machine's or another
@@ -534,6 +600,11 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     pool_conf = h.rootfs / "etc/thinvm/pool.conf"
     pool_conf.write_text(pool_conf.read_text() + f'THINVM_POOL_ARGS="--slot {POOL_SLOT // MiB}M"\n')
     systemctl(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
+    # The services keep their state to root, and leave /var/lib/thinvm
+    # traversable: libvirt-qemu reads guest images below it.
+    state_dir = h.rootfs / "var/lib/thinvm"
+    assert stat.S_IMODE(state_dir.stat().st_mode) & 0o005 == 0o005, oct(state_dir.stat().st_mode)
+    assert stat.S_IMODE((state_dir / "balance").stat().st_mode) == 0o700
     status = ["env", "THINVM_CACHE=/var/lib/thinvm", "thinvm", "balance", "status", "--json"]
 
     data: dict[str, Any] = {}
