@@ -9,6 +9,7 @@ from typing import Any
 from thinvm.bench.types import Best, Metrics, RunContext, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import workload
+from thinvm.guest.agent import AgentClient
 from thinvm.host.memory import host_meminfo, wait_settled
 from thinvm.units import MiB, format_size
 from thinvm.vm.machine import VM
@@ -192,9 +193,14 @@ def timed_in_guest(vm: VM, command: str) -> float:
     Timed inside, not around the agent round trip: the agent serves one
     request at a time, and a controller's trim holding it for a moment is
     not time the workload spent (getting memory, reading)."""
-    out = vm.agent.check(
+    return timed_by_agent(vm.agent, command)
+
+
+def timed_by_agent(agent: AgentClient, command: str, timeout: float = 300.0) -> float:
+    """timed_in_guest for any agent connection (a libvirt domain's too)."""
+    out = agent.check(
         f"read t0 _ </proc/uptime; {command} >/dev/null; read t1 _ </proc/uptime; echo $t0 $t1",
-        timeout=300,
+        timeout=timeout,
     ).stdout.split()
     return float(out[-1]) - float(out[-2])
 

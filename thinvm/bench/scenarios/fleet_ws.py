@@ -42,6 +42,7 @@ from pathlib import Path
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.scenarios import fleet as fleet_bench
+from thinvm.bench.scenarios.common import timed_by_agent
 from thinvm.bench.scenarios.fleet import CHANNELS, FleetRun
 from thinvm.bench.scenarios.params import float_param, int_param, size_param
 from thinvm.bench.scenarios.spec import ScenarioSpec
@@ -52,7 +53,6 @@ from thinvm.fleet import cluster, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.guest import image as guest_image
 from thinvm.guest import workload
-from thinvm.guest.agent import AgentClient
 from thinvm.guest.trim import reclaimer_status, set_background
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
@@ -184,15 +184,6 @@ def _systemctl(state: ClusterState, name: str, *args: str) -> str:
 # -- one guest ------------------------------------------------------------------
 
 
-def timed(client: AgentClient, command: str, timeout: float = 600.0) -> float:
-    """`command` in the guest; seconds by the guest's clock (common.timed_in_guest)."""
-    out = client.check(
-        f"read t0 _ </proc/uptime; {command} >/dev/null; read t1 _ </proc/uptime; echo $t0 $t1",
-        timeout=timeout,
-    ).stdout.split()
-    return float(out[-1]) - float(out[-2])
-
-
 def define_guest(h: Host, side: Side, name: str, size: int, kernel: str, data: Path) -> None:
     """The domain from plain XML, and the data set's disk attached as an
     operator attaches one (read-only, raw, no host cache)."""
@@ -218,8 +209,9 @@ def load_guest(h: Host, side: Side, name: str, work: Workload) -> Metrics:
             f"mkdir -p {DATA_MOUNT} && mount -t ext4 -o ro /dev/{DATA_DEVICE} {DATA_MOUNT}"
         )
         client.check(f"thinvm-mem pattern write {PATTERN} {work.anon // MiB} --seed {SEED}")
-        cold = timed(client, workload.read_disk_command(work.data, source=source))
-        timed(client, workload.read_disk_command(work.hot, passes=work.passes, source=source))
+        cold = timed_by_agent(client, workload.read_disk_command(work.data, source=source), 600)
+        hot = workload.read_disk_command(work.hot, passes=work.passes, source=source)
+        timed_by_agent(client, hot, 600)
         return {"cold_read_ms": cold * 1000}
     finally:
         client.close()
@@ -234,7 +226,7 @@ def check_arrived(h: Host, name: str, work: Workload) -> float:
         if check["bad"] != 0 or check["pages"] != work.anon // 4096:
             raise ThinvmError(f"{name}: data changed in migration: {check}")
         hot = workload.read_disk_command(work.hot, source=f"{DATA_MOUNT}/{DATA_FILE}")
-        return timed(client, hot)
+        return timed_by_agent(client, hot)
     finally:
         client.close()
 
