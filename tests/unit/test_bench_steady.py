@@ -1,6 +1,11 @@
-"""reclaim-steady's window figures: pure arithmetic over RSS samples."""
+"""reclaim-steady's window figures (pure arithmetic over RSS samples) and its
+continuous reader."""
 
+import pytest
+
+from thinvm.bench.scenarios import steady
 from thinvm.bench.scenarios.steady import SETTLED_WITHIN, window_figures
+from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 
 
@@ -24,3 +29,15 @@ def test_a_flat_window_is_settled_from_its_start() -> None:
 
 def test_a_single_sample_is_its_own_mean() -> None:
     assert window_figures([(0.0, 5 * MiB)])["rss_mean_bytes"] == 5 * MiB
+
+
+def test_the_continuous_reader_is_a_choice_and_counts_whole_reads() -> None:
+    assert steady.reader_param({"reader": "loop"}) == "loop"
+    with pytest.raises(ThinvmError, match="choose none or loop"):
+        steady.reader_param({"reader": "often"})
+    line = steady.reader_command("/srv/thinvm-ws/data")
+    # Backgrounded with every stream redirected, so the agent's shell
+    # returns at once; a line per whole read of the data set.
+    assert line.endswith(">/dev/null 2>&1 </dev/null &"), line
+    assert f"do echo >>{steady.READER_PASSES}; done" in line
+    assert "dd if=/srv/thinvm-ws/data of=/dev/null" in line

@@ -13,6 +13,11 @@ the QEMU and balloon driver under it:
 - thinvm: the patched QEMU, our driver with page ranges, reporting, the
   reclaimer on.
 
+With `--param reader=loop` the guest does not idle: it reads its data
+set again and again for the whole window (a guest that reads files all
+the time, issue 47's case for the reclaimer's CPU bound), and
+`reader_passes` counts the whole reads it finished.
+
 The reclaimer's own CPU time comes from its counters (`RECLAIM status`,
 `cpu_ms`, the thread's clock), and is given as a share of one vCPU over
 the window (the package's bound is 2%).
@@ -60,6 +65,28 @@ def _variants() -> list[tuple[Candidate, bool]]:
             True,
         ),
     ]
+
+
+READERS = ("none", "loop")
+READER_PASSES = "/run/thinvm-bench-reader"  # one line per whole read
+
+
+def reader_param(params: dict[str, str]) -> str:
+    reader = params["reader"]
+    if reader not in READERS:
+        raise ThinvmError(f"--param reader={reader}: choose {' or '.join(READERS)}")
+    return reader
+
+
+def reader_command(source: str) -> str:
+    """The guest shell line that reads `source` over and over, in the
+    background, counting whole reads in READER_PASSES."""
+    loop = f"while dd if={source} of=/dev/null bs=1M 2>/dev/null; do echo >>{READER_PASSES}; done"
+    return f": >{READER_PASSES}; ({loop}) >/dev/null 2>&1 </dev/null &"
+
+
+def reader_passes(vm: VM) -> int:
+    return int(vm.agent.check(f"wc -l <{READER_PASSES}").stdout.strip() or 0)
 
 
 def qemu_cpu_seconds(vm: VM) -> float:
@@ -118,6 +145,7 @@ def steady_run(
     candidate: Candidate,
     background: bool,
     disk: DataDisk,
+    reader: str = "none",
 ) -> Callable[[RunContext], Metrics]:
     def run(ctx: RunContext) -> Metrics:
         config = opts.vm_config("b-steady", size, candidate.stack)
@@ -131,6 +159,8 @@ def steady_run(
             ctx.step(f"guest reads its {format_size(data)} data set once")
             vm.agent.check(workload.read_disk_command(data, source=disk.source.path), timeout=600)
             cached = workload.meminfo(vm.agent)["Cached"]
+            if reader == "loop":
+                vm.agent.check(reader_command(disk.source.path))
             qemu_cpu, agent_ms = qemu_cpu_seconds(vm), reclaimer_cpu_ms(vm)
             window = minutes * 60
             samples = sample_rss(vm, window, ctx)
@@ -138,6 +168,8 @@ def steady_run(
             agent_ms = reclaimer_cpu_ms(vm) - agent_ms
             ctx.note("rss_samples", samples)
             figures = window_figures(samples)
+            if reader == "loop":
+                figures["reader_passes"] = reader_passes(vm)
             return {
                 **figures,
                 "rss_after_read_bytes": samples[0][1],
@@ -157,9 +189,10 @@ def make_reclaim_steady(opts: BenchOptions, params: dict[str, str], size: int) -
     if data + 1024 * MiB > size:
         raise ThinvmError(f"--param data={format_size(data)} leaves under 1 GiB of a "
                           f"{format_size(size)} guest")  # fmt: skip
+    reader = reader_param(params)
     disk = DataDisk(data, "debian")
     variants = [
-        Variant(c.name, steady_run(opts, size, data, minutes, c, bg, disk), c.description)
+        Variant(c.name, steady_run(opts, size, data, minutes, c, bg, disk, reader), c.description)
         for c, bg in _variants()
     ]
 
@@ -174,7 +207,7 @@ def make_reclaim_steady(opts: BenchOptions, params: dict[str, str], size: int) -
         description=(
             f"A {format_size(size)} Debian guest (the disk image, thinvm-guest-agent as "
             f"packaged) reads a {format_size(data)} file once from a second disk, then "
-            f"idles {minutes:g} min while the host samples its QEMU's RSS every "
+            f"{IDLES[reader]} {minutes:g} min while the host samples its QEMU's RSS every "
             f"{SAMPLE_SECONDS:g} s. **stock-reporting**: Debian's QEMU, the in-tree driver, "
             "free page reporting, the guest reclaimer switched off; **stock-reclaimer**: the "
             "same with the reclaimer's background mode on (the package's default): our "
@@ -189,10 +222,13 @@ def make_reclaim_steady(opts: BenchOptions, params: dict[str, str], size: int) -
         baseline="stock-reporting",
         main_metric="rss_end_bytes",
         second_metric="rss_mean_bytes",
-        params=steady_params(size, data, minutes),
+        params={**steady_params(size, data, minutes), "reader": reader},
         context=session,
         targets=TARGETS,
     )
+
+
+IDLES = {"none": "idles", "loop": "reads it over and over (`reader=loop`) for"}
 
 
 def steady_params(size: int, data: int, minutes: float) -> dict[str, Any]:
@@ -210,5 +246,5 @@ SPEC = ScenarioSpec(
     default_size="4G",
     size_help="guest RAM",
     default_runs=5,
-    params={"data": "2G", "minutes": "10"},
+    params={"data": "2G", "minutes": "10", "reader": "none"},
 )
