@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.hostcost import FaultCostWatch
@@ -55,6 +56,7 @@ from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 NAME = "fleet-migrate"
+T = TypeVar("T")
 GUEST = "bench-fleet"
 SEED = 1311
 CHANNELS = 2
@@ -187,6 +189,12 @@ class _Clusters:
         self.link = ""
         self.stack: contextlib.ExitStack | None = None
         self.states: dict[str, ClusterState] = {}
+
+    def hold(self, context: "contextlib.AbstractContextManager[T]") -> T:
+        """Enter `context` until the clusters go (left before them)."""
+        if self.stack is None:
+            raise ThinvmError("fleet-migrate: no cluster context")
+        return self.stack.enter_context(context)
 
     def get(self, name: str) -> ClusterState:
         if self.stack is None:

@@ -34,7 +34,6 @@ Variants:
 """
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -46,7 +45,7 @@ from thinvm.bench.scenarios.common import timed_by_agent
 from thinvm.bench.scenarios.fleet import CHANNELS, FleetRun
 from thinvm.bench.scenarios.params import float_param, int_param, size_param
 from thinvm.bench.scenarios.spec import ScenarioSpec
-from thinvm.bench.scenarios.workingset import DATA_FILE, DATA_MOUNT, filesystem_image
+from thinvm.bench.scenarios.workingset import DATA_SOURCES, DataDisk, mount_command
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, guest, hostcgroups, migrate
@@ -64,9 +63,10 @@ CLUSTER = "packaged"  # a key of fleet_bench.CLUSTERS
 GUESTS = ("bench-ws-1", "bench-ws-2", "bench-ws-3")
 SEED = 4747
 PATTERN = "/dev/shm/thinvm-bench-pattern"
-DATA_DEVICE = "vdb"
 # The hosts of a pair, each on a CPU of its own (cpuset).
 SOURCE_CPU, DESTINATION_CPU = "0", "1"
+# The data set: a file on a read-only ext4 disk, as migrate-working-set's.
+DATA = DATA_SOURCES["debian"]
 CONTROLLER = "thinvm-balance.service"
 SAMPLE_EVERY = 30.0  # seconds between progress lines in the window
 
@@ -192,7 +192,7 @@ def define_guest(h: Host, side: Side, name: str, size: int, kernel: str, data: P
     guest.define(h, side.run(name).domain(image, size, shared), image)
     disk = ["--config", "--mode", "readonly", "--targetbus", "virtio"]
     disk += ["--driver", "qemu", "--subdriver", "raw", "--cache", "none"]
-    virsh(h, "attach-disk", name, str(data), DATA_DEVICE, *disk)
+    virsh(h, "attach-disk", name, str(data), DATA.device, *disk)
 
 
 def load_guest(h: Host, side: Side, name: str, work: Workload) -> Metrics:
@@ -204,10 +204,8 @@ def load_guest(h: Host, side: Side, name: str, work: Workload) -> Metrics:
             guest.use_intree_driver(client)
         if not side.reclaimer:
             set_background(client, False)
-        source = f"{DATA_MOUNT}/{DATA_FILE}"
-        client.check(
-            f"mkdir -p {DATA_MOUNT} && mount -t ext4 -o ro /dev/{DATA_DEVICE} {DATA_MOUNT}"
-        )
+        source = DATA.path
+        client.check(mount_command(DATA))
         client.check(f"thinvm-mem pattern write {PATTERN} {work.anon // MiB} --seed {SEED}")
         cold = timed_by_agent(client, workload.read_disk_command(work.data, source=source), 600)
         hot = workload.read_disk_command(work.hot, passes=work.passes, source=source)
@@ -225,7 +223,7 @@ def check_arrived(h: Host, name: str, work: Workload) -> float:
         check = client.check(f"thinvm-mem pattern verify {PATTERN} --seed {SEED}").json()
         if check["bad"] != 0 or check["pages"] != work.anon // 4096:
             raise ThinvmError(f"{name}: data changed in migration: {check}")
-        hot = workload.read_disk_command(work.hot, source=f"{DATA_MOUNT}/{DATA_FILE}")
+        hot = workload.read_disk_command(work.hot, source=DATA.path)
         return timed_by_agent(client, hot)
     finally:
         client.close()
@@ -348,19 +346,20 @@ def _clean(state: ClusterState, hosts: tuple[Host, ...]) -> None:
 
 
 def _run_one(
-    opts: BenchOptions, size: int, work: Workload, side: Side
+    opts: BenchOptions, size: int, work: Workload, side: Side, disk: DataDisk
 ) -> Callable[[RunContext], Metrics]:
     def run(ctx: RunContext) -> Metrics:
         state = fleet_bench.clusters.get(CLUSTER)
         route = side.run(GUESTS[0]).route
         src, dst = (state.host(n) for n in route)
-        set_host_cpus(src, SOURCE_CPU)
-        set_host_cpus(dst, DESTINATION_CPU)
+        if opts.pin_sides:  # --unpinned leaves both hosts on every CPU
+            set_host_cpus(src, SOURCE_CPU)
+            set_host_cpus(dst, DESTINATION_CPU)
         if side.controller:
             ctx.step(f"{CONTROLLER} on {src.name} and {dst.name}")
             for h in (src, dst):
                 ensure_controller(state, h.name)
-        data = _data_disk(src, work.data)
+        data = _data_disk(src, disk)
         for name in GUESTS:
             define_guest(src, side, name, size, opts.kernel, data)
         try:
@@ -371,44 +370,35 @@ def _run_one(
     return run
 
 
-_data_disks: dict[Path, Path] = {}
-
-
-def _data_disk(h: Host, data: int) -> Path:
-    """The data set's filesystem image in the cluster's shared directory,
-    made once per scenario run."""
-    shared = cluster.shared_dir(Path(h.root).parent.parent)
-    if shared not in _data_disks:
-        directory = shared / "fleet-ws"
-        directory.mkdir(exist_ok=True)
-        _data_disks[shared] = filesystem_image(directory, data)
-    return _data_disks[shared]
+def _data_disk(h: Host, disk: DataDisk) -> Path:
+    """The data set's disk in the cluster's shared storage, made at the
+    scenario's first run and removed before the clusters go."""
+    if disk.path is None:
+        shared = cluster.shared_dir(Path(h.root).parent.parent)
+        fleet_bench.clusters.hold(disk.made(shared))
+    assert disk.path is not None
+    return disk.path
 
 
 @contextlib.contextmanager
 def _session(link: str) -> Iterator[None]:
-    """The clusters of fleet-migrate; the hosts' CPUs and the data disk
-    given back at the end."""
-    try:
-        with fleet_bench.cluster_session(link):
-            try:
-                yield
-            finally:
-                state = fleet_bench.clusters.states.get(CLUSTER)
-                for h in state.hosts if state else ():
-                    with contextlib.suppress(OSError):
-                        set_host_cpus(h, _all_cpus())
-    finally:
-        for image in _data_disks.values():
-            shutil.rmtree(image.parent, ignore_errors=True)
-        _data_disks.clear()
+    """The clusters of fleet-migrate; the hosts' CPUs given back at the end."""
+    with fleet_bench.cluster_session(link):
+        try:
+            yield
+        finally:
+            state = fleet_bench.clusters.states.get(CLUSTER)
+            for h in state.hosts if state else ():
+                with contextlib.suppress(OSError):
+                    set_host_cpus(h, _all_cpus())
 
 
 def make_fleet_working_set(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
     work = make_workload(params, size)
     link = params["link"]
+    disk = DataDisk(work.data, "debian")
     variants = [
-        Variant(name, _run_one(opts, size, work, side), describe(side),
+        Variant(name, _run_one(opts, size, work, side, disk), describe(side),
                 reference="stock-reclaimer" if name == "thinvm" else None)
         for name, side in SIDES.items()
     ]  # fmt: skip
@@ -432,6 +422,7 @@ def make_fleet_working_set(opts: BenchOptions, params: dict[str, str], size: int
             "link": link,
             "channels": CHANNELS,
             "kernel": opts.kernel,
+            "pinned": opts.pin_sides,
         },
         context=lambda: _session(link),
         targets=targets(),

@@ -221,8 +221,12 @@ class DataDisk:
         return DATA_SOURCES[self.kind]
 
     @contextlib.contextmanager
-    def made(self) -> Iterator[Path]:
-        with tempfile.TemporaryDirectory(prefix="thinvm-ws-") as tmp:
+    def made(self, directory: Path | None = None) -> Iterator[Path]:
+        """Make the disk in a temporary directory (below `directory`, e.g.
+        storage every cluster host sees), removed on leaving."""
+        with tempfile.TemporaryDirectory(prefix="thinvm-ws-", dir=directory) as tmp:
+            if directory is not None:  # QEMU runs as libvirt-qemu there
+                Path(tmp).chmod(0o755)
             if self.kind == "debian":
                 self.path = filesystem_image(Path(tmp), self.size)
             else:
