@@ -59,6 +59,7 @@
 #define BG_BACKOFF_MAX_MS	60000
 #define BG_COMPACT_EVERY	(64 * MiB)
 #define BG_FLOOR_HOLD_MS	60000	/* then the working set is read afresh */
+#define BG_LEARNED_HOLD_MS	600000	/* a floor refaults taught us, see learn() */
 
 /* On demand the host is waiting: larger steps, a 50% duty cycle. */
 #define TRIM_STEP_DIV		32
@@ -114,6 +115,7 @@ struct reclaimer {
 	char error[160];
 	unsigned long epoch;	/* bumped by every trim */
 	uint64_t last_refaults;	/* to count refaults seen while active */
+	uint64_t learned_floor;	/* background: see learn(); 0 if none */
 	struct counters c;
 };
 
@@ -497,13 +499,61 @@ struct bg_state {
 	uint64_t since_compact;
 	uint64_t floor;		/* held floor, see held_floor() */
 	long long floor_us;	/* when it was last read afresh */
+	long long learned_us;	/* when rc.learned_floor was last raised */
 };
+
+/*
+ * Refaults after our steps mean we reclaimed into the working set: what
+ * came back is in use, and the active list may not show it (MGLRU keeps
+ * page cache read through read() out of it, and our own steps deactivate
+ * it).  It is added to the floor, up to the page cache there is, and
+ * kept for longer than a floor read from the lists: every further
+ * back-off for refaults adds to it and renews it, and it lapses when
+ * nothing refaulted for BG_LEARNED_HOLD_MS, so a working set that shrank
+ * is given back then.  Only what came back counts, not the page cache
+ * as it stood: refaults of a hot set while a large file is read once
+ * would otherwise make that whole file a floor.
+ */
+static void learn(struct bg_state *st, const struct sample *prev,
+		  const struct sample *now)
+{
+	struct meminfo m;
+
+	if (read_meminfo(&m))
+		return;
+	rc.learned_floor += (now->refaults - prev->refaults) * PAGE_BYTES;
+	if (rc.learned_floor > m.file_lru)
+		rc.learned_floor = m.file_lru;
+	st->learned_us = now->t_us;
+}
+
+/* Let the held floor, and the learned one, lapse when their time is up. */
+static void renew_floor(struct bg_state *st, long long t_us)
+{
+	if (t_us - st->floor_us > BG_FLOOR_HOLD_MS * 1000LL) {
+		/* A hot set may also cool down: do not hold it for ever. */
+		st->floor = 0;
+		st->floor_us = t_us;
+	}
+	if (rc.learned_floor &&
+	    t_us - st->learned_us > BG_LEARNED_HOLD_MS * 1000LL)
+		rc.learned_floor = 0;
+}
+
+/* What a background step may take: room() above the learned floor too. */
+static uint64_t bg_room(struct bg_state *st, const struct meminfo *m)
+{
+	uint64_t free = room(&st->floor, m);
+
+	return free > rc.learned_floor ? free - rc.learned_floor : 0;
+}
 
 /* One background tick with rc.lock held; returns how long to wait. */
 static long long background_tick(struct bg_state *st)
 {
 	struct meminfo m;
 	struct sample now;
+	const char *why;
 	uint64_t step, got;
 	long long cpu;
 
@@ -518,7 +568,10 @@ static long long background_tick(struct bg_state *st)
 		return BG_TICK_MS;
 	}
 	take_sample(&now, true);
-	if (pressure(&st->prev, &st->quiet, &now)) {
+	why = pressure(&st->prev, &st->quiet, &now);
+	if (why) {
+		if (!strcmp(why, "refaults"))
+			learn(st, &st->prev, &now);
 		rc.c.backoffs++;
 		st->backoff_ms = st->backoff_ms ?
 			st->backoff_ms * 2 : BG_BACKOFF_MIN_MS;
@@ -529,12 +582,8 @@ static long long background_tick(struct bg_state *st)
 	}
 	st->backoff_ms = 0;
 	st->prev = now;
-	if (now.t_us - st->floor_us > BG_FLOOR_HOLD_MS * 1000LL) {
-		/* A hot set may also cool down: do not hold it for ever. */
-		st->floor = 0;
-		st->floor_us = now.t_us;
-	}
-	if (read_meminfo(&m) || room(&st->floor, &m) < STEP_MIN) {
+	renew_floor(st, now.t_us);
+	if (read_meminfo(&m) || bg_room(st, &m) < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
 		take_sample(&st->quiet, true);
@@ -544,8 +593,8 @@ static long long background_tick(struct bg_state *st)
 	step = m.total / BG_STEP_DIV;
 	if (step < STEP_MIN)
 		step = STEP_MIN;
-	if (step > room(&st->floor, &m))
-		step = room(&st->floor, &m);
+	if (step > bg_room(st, &m))
+		step = bg_room(st, &m);
 	cpu = thread_cpu_us();
 	got = reclaim_bytes(step);
 	st->since_compact += got;
@@ -615,14 +664,15 @@ static int status_members(char *out, size_t size)
 		"\"error\":\"%s\",\"reclaimed_bytes\":%" PRIu64
 		",\"steps\":%" PRIu64 ",\"backoffs\":%" PRIu64
 		",\"refault_pages\":%" PRIu64 ",\"compactions\":%" PRIu64
-		",\"trims\":%" PRIu64 ",\"cpu_ms\":%" PRIu64,
+		",\"trims\":%" PRIu64 ",\"cpu_ms\":%" PRIu64
+		",\"learned_floor_bytes\":%" PRIu64,
 		rc.available ? "true" : "false",
 		rc.background ? "true" : "false",
 		rc.psi ? "true" : "false", lru_gen_enabled() ? "true" : "false",
 		rc.error,
 		rc.c.reclaimed_bytes, rc.c.steps, rc.c.backoffs,
 		rc.c.refault_pages, rc.c.compactions, rc.c.trims,
-		rc.c.cpu_us / 1000);
+		rc.c.cpu_us / 1000, rc.learned_floor);
 }
 
 static int status_locked(char *out, size_t size)
