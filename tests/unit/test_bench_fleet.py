@@ -165,6 +165,9 @@ def test_fleet_working_set_workload_is_checked() -> None:
         fleet_ws.make_workload({**params, "data": "3900M"}, 4096 * MiB)
     with pytest.raises(ThinvmError, match="hot within data"):
         fleet_ws.make_workload({**params, "hot": "3G"}, 4096 * MiB)
+    with pytest.raises(ThinvmError, match="hot_every"):
+        fleet_ws.make_workload({**params, "hot_every": "-1"}, 4096 * MiB)
+    assert fleet_ws.make_workload({**params, "hot_every": "0"}, 4096 * MiB).hot_every == 0
 
 
 def test_cpu_lists_parse_as_the_kernel_prints_them() -> None:

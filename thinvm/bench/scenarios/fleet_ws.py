@@ -5,11 +5,12 @@ Three Debian guests from plain XML (thinvm.fleet.domain, no `qemu:`
 namespace, no sparse-ram capability) run on one package-installed,
 systemd-booted host of the TLS cluster (`cluster up --packaged --systemd
 --hosts 4`: h1 and h2 `apt install thinvm-qemu`, h3 and h4 keep Debian's
-QEMU).  Each guest reads its data set once from a read-only disk, keeps
-re-reading a hot subset of it and holds an anonymous pattern; then the
-hosts run, for the same window in every variant, whatever the variant
-runs in the background (nobody trims at migration time, and no step
-before the window does either).  Each guest then moves with plain
+QEMU).  Each guest reads its data set once from a read-only disk, reads
+a hot subset of it a few more times and holds an anonymous pattern; then
+the hosts run, for the same window in every variant, whatever the
+variant runs in the background while the guests keep reading their hot
+subsets now and then (nobody trims at migration time, and no step before
+the window does either).  Each guest then moves with plain
 `virsh migrate --live --p2p --tls` to the other host of its pair, is
 checked there (its pattern, its hot subset re-read), and moves back with
 `--parallel`.
@@ -80,6 +81,7 @@ class Workload:
     anon: int  # a pattern in tmpfs, verified after each migration
     passes: int  # 5: MGLRU (6.12) keeps a page read five times (workingset.Plan)
     window: float  # seconds every variant's background work runs before
+    hot_every: float  # in the window, seconds between reads of the hot subset (0: none)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ def make_workload(params: dict[str, str], size: int) -> Workload:
         anon=size_param(params, "anon") // MiB * MiB,
         passes=int_param(params, "passes"),
         window=float_param(params, "window"),
+        hot_every=float_param(params, "hot_every"),
     )
     if min(work.data, work.hot, work.anon) < MiB or work.hot > work.data:
         raise ThinvmError("--param data, hot, anon: at least 1M each, hot within data")
@@ -120,8 +123,8 @@ def make_workload(params: dict[str, str], size: int) -> Workload:
             f"a {format_size(size)} guest cannot hold {format_size(work.data)} of data and "
             f"{format_size(work.anon)} of its own with 512 MiB to spare: pass a bigger --size"
         )
-    if work.passes < 1 or work.window < 0:
-        raise ThinvmError("--param passes: at least 1; window: 0 or more seconds")
+    if work.passes < 1 or work.window < 0 or work.hot_every < 0:
+        raise ThinvmError("--param passes: at least 1; window, hot_every: 0 or more seconds")
     return work
 
 
@@ -223,8 +226,16 @@ def check_arrived(h: Host, name: str, work: Workload) -> float:
         check = client.check(f"thinvm-mem pattern verify {PATTERN} --seed {SEED}").json()
         if check["bad"] != 0 or check["pages"] != work.anon // 4096:
             raise ThinvmError(f"{name}: data changed in migration: {check}")
-        hot = workload.read_disk_command(work.hot, source=DATA.path)
-        return timed_by_agent(client, hot)
+    finally:
+        client.close()
+    return read_hot(h, name, work)
+
+
+def read_hot(h: Host, name: str, work: Workload) -> float:
+    """The seconds one read of the hot subset takes in `name` on `h`."""
+    client = guest.agent(h, name)
+    try:
+        return timed_by_agent(client, workload.read_disk_command(work.hot, source=DATA.path))
     finally:
         client.close()
 
@@ -293,12 +304,24 @@ def hosts_rss(h: Host) -> int:
     return sum(process_memory(guest.qemu_pid(h, name)).rss for name in GUESTS)
 
 
-def run_window(ctx: RunContext, src: Host, seconds: float) -> None:
-    """The window every variant gets: nothing is done to the guests."""
-    end = time.monotonic() + seconds
+def run_window(ctx: RunContext, src: Host, work: Workload) -> None:
+    """The window every variant gets: nobody trims; each guest keeps using
+    its hot subset (a read every `hot_every` seconds), as a hot set is
+    used, while its cold data set lies idle."""
+    start = time.monotonic()
+    end, reads = start + work.window, 0
     while (left := end - time.monotonic()) > 0:
-        ctx.step(f"background window: {left:.0f} s left, guests' RSS {format_size(hosts_rss(src))}")
-        time.sleep(min(SAMPLE_EVERY, left))
+        due = work.hot_every and time.monotonic() - start >= (reads + 1) * work.hot_every
+        if due:
+            for name in GUESTS:
+                read_hot(src, name, work)
+            reads += 1
+        ctx.step(f"background window: {left:.0f} s left, hot subset read {reads} times, "
+                 f"guests' RSS {format_size(hosts_rss(src))}")  # fmt: skip
+        wait = SAMPLE_EVERY
+        if work.hot_every:
+            wait = min(wait, start + (reads + 1) * work.hot_every - time.monotonic())
+        time.sleep(max(0.0, min(wait, end - time.monotonic())))
 
 
 def prepare(ctx: RunContext, src: Host, side: Side, work: Workload) -> Metrics:
@@ -320,7 +343,7 @@ def prepare(ctx: RunContext, src: Host, side: Side, work: Workload) -> Metrics:
 
 def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -> Metrics:
     metrics = prepare(ctx, src, side, work)
-    run_window(ctx, src, work.window)
+    run_window(ctx, src, work)
     reclaim = [reclaimer_figures(src, name) for name in GUESTS]
     if any(on != side.reclaimer for on, _ in reclaim):
         raise ThinvmError(f"a guest's reclaimer is not {'on' if side.reclaimer else 'off'}")
@@ -419,6 +442,7 @@ def make_fleet_working_set(opts: BenchOptions, params: dict[str, str], size: int
             "anon": format_size(work.anon),
             "passes": work.passes,
             "window_s": work.window,
+            "hot_every_s": work.hot_every,
             "link": link,
             "channels": CHANNELS,
             "kernel": opts.kernel,
@@ -447,7 +471,9 @@ def description(work: Workload, size: int, link: str, kernel: str) -> str:
         f"{format_size(work.anon)} pattern to tmpfs, read {format_size(work.data)} of a file "
         f"once and its first {format_size(work.hot)} {work.passes} times; then "
         f"{work.window:g} s pass in which only the variant's background work runs (no trim "
-        "at any point). Each guest then moves with plain `virsh migrate --live --p2p --tls` "
+        f"at any point) while each guest reads its hot subset again every "
+        f"{work.hot_every:g} s (0: never) and leaves the rest of its data idle. "
+        "Each guest then moves with plain `virsh migrate --live --p2p --tls` "
         "(figures without a prefix: sums over the guests, downtime the worst guest's), is "
         "checked on arrival (pattern; `hot_reread_ms`: its hot subset read again there), and "
         f"moves back with `--parallel --parallel-connections {CHANNELS}` (`parallel_` "
@@ -488,6 +514,7 @@ SPEC = ScenarioSpec(
         "anon": "256M",
         "passes": "5",
         "window": "240",
+        "hot_every": "60",
         "link": "10gbit",
     },
 )
