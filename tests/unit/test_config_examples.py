@@ -87,6 +87,8 @@ def test_each_pool_conf_example_parses(args: list[str]) -> None:
         ["--floor-fraction", "1.5"],
         ["--cycles", "-1"],
         ["--policy", "no-such-policy"],  # argparse's own usage error
+        ["--host-root", "/"],  # without --connect there are no libvirt paths
+        ["--connect", "qemu:///system", "--host-root", "/no/such/root"],
     ],
     ids=" ".join,
 )
@@ -100,3 +102,9 @@ def test_a_bad_configuration_exits_with_the_status_the_unit_does_not_restart_on(
     prevent = re.search(r"^RestartPreventExitStatus=(.*)$", unit, re.MULTILINE)
     assert prevent is not None, "the unit restarts for ever on a configuration error"
     assert str(balance_cli.CONFIG_ERROR) in prevent.group(1).split()
+
+
+def test_a_host_root_maps_libvirts_socket_paths_below_it(tmp_path: Path) -> None:
+    view = balance_cli.host_path_view(str(tmp_path))
+    socket = "/run/libvirt/qemu/channel/1-web/org.thinvm.agent.0"
+    assert view(socket) == tmp_path / socket.lstrip("/")

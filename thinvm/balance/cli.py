@@ -4,6 +4,7 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from thinvm.balance.backends import (
@@ -66,6 +67,15 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
+def host_path_view(root: str) -> Callable[[str], Path]:
+    """Where a controller that sees the host's root at `root` (a container
+    with it mounted there) finds a path libvirt gave on the host, such as
+    the agent channel's socket."""
+    if not Path(root).is_dir():
+        raise ConfigError(f"--host-root {root}: not a directory")
+    return lambda path: Path(root) / path.lstrip("/")
+
+
 def controller_from(args: argparse.Namespace) -> Controller:
     """The controller `balance run ARGS` runs; ConfigError if there is none."""
     if args.interval <= 0:
@@ -76,8 +86,11 @@ def controller_from(args: argparse.Namespace) -> Controller:
         raise ConfigError("--cgroup and --budget both set a budget: give one")
     try:
         backend: VmBackend
+        if args.host_root and not args.connect:
+            raise ConfigError("--host-root maps libvirt's paths: it needs --connect")
         if args.connect:
-            backend = LibvirtBackend(args.connect, names=args.vm, log=_log)
+            outside = host_path_view(args.host_root) if args.host_root else Path
+            backend = LibvirtBackend(args.connect, names=args.vm, log=_log, outside=outside)
         else:
             backend = ThinvmBackend(names=args.vm, log=_log)
         host: HostSource = WholeHost()
@@ -167,6 +180,11 @@ def add_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     p.add_argument("--dry-run", action="store_true", help="print decisions, set nothing")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between cycles (5)")
     p.add_argument("--connect", metavar="URI", help="libvirt domains at URI, not thinvm VMs")
+    p.add_argument(
+        "--host-root",
+        metavar="DIR",
+        help="with --connect: the host's / is mounted at DIR here (a container)",
+    )
     p.add_argument(
         "--vm", action="append", default=[], help="manage only this VM/domain (repeatable)"
     )
