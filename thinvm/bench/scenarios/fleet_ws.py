@@ -35,6 +35,7 @@ Variants:
 """
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -308,20 +309,19 @@ def run_window(ctx: RunContext, src: Host, work: Workload) -> None:
     """The window every variant gets: nobody trims; each guest keeps using
     its hot subset (a read every `hot_every` seconds), as a hot set is
     used, while its cold data set lies idle."""
-    start = time.monotonic()
-    end, reads = start + work.window, 0
+    end = time.monotonic() + work.window
+    every = work.hot_every or math.inf
+    next_read, reads = time.monotonic() + every, 0
     while (left := end - time.monotonic()) > 0:
-        due = work.hot_every and time.monotonic() - start >= (reads + 1) * work.hot_every
-        if due:
+        if time.monotonic() >= next_read:
             for name in GUESTS:
                 read_hot(src, name, work)
             reads += 1
+            next_read += every
         ctx.step(f"background window: {left:.0f} s left, hot subset read {reads} times, "
                  f"guests' RSS {format_size(hosts_rss(src))}")  # fmt: skip
-        wait = SAMPLE_EVERY
-        if work.hot_every:
-            wait = min(wait, start + (reads + 1) * work.hot_every - time.monotonic())
-        time.sleep(max(0.0, min(wait, end - time.monotonic())))
+        now = time.monotonic()
+        time.sleep(max(0.0, min(SAMPLE_EVERY, next_read - now, end - now)))
 
 
 def prepare(ctx: RunContext, src: Host, side: Side, work: Workload) -> Metrics:
