@@ -12,7 +12,7 @@ import pytest
 
 from tests.ci_skip_gate import pytest_configure  # noqa: F401 - the CI skip gate
 from thinvm.fleet import pki
-from thinvm.fleet.cluster import ClusterState, Host, virsh
+from thinvm.fleet.cluster import ClusterState, Host, cluster_dir, virsh
 from thinvm.guest.image import DiskImage
 from thinvm.paths import cache_dir
 from thinvm.testing import keptboot, profile
@@ -103,6 +103,33 @@ MODULE_SECONDS = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Heaviest modules first (MODULE_SECONDS); tests keep their order within one."""
     items.sort(key=lambda item: -MODULE_SECONDS.get(item.nodeid.split("::")[0], 0))
+
+
+CONSOLE_TAIL_LINES = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test on a cluster shows its guests' consoles' last lines:
+    a guest that stopped answering its agent says there why (an oops, a
+    panic, a hang), and the cluster's directory is gone by the end."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and os.environ.get("THINVM_CLUSTER_DIR"):
+        for name, tail in guest_console_tails(cluster_dir() / "shared"):
+            report.sections.append((f"console of {name}, last lines", tail))
+
+
+def guest_console_tails(shared: Path) -> list[tuple[str, str]]:
+    tails = []
+    for log in sorted(shared.glob("*.console.log")):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        name = log.name.removesuffix(".console.log")
+        tails.append((name, "\n".join(lines[-CONSOLE_TAIL_LINES:])))
+    return tails
 
 
 def qemu_pids(name: str | None = None) -> set[int]:
