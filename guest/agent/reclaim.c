@@ -543,9 +543,10 @@ static void renew_floor(struct bg_state *st, long long t_us)
 /* What a background step may take: room() above the learned floor too. */
 static uint64_t bg_room(struct bg_state *st, const struct meminfo *m)
 {
-	uint64_t free = room(&st->floor, m);
+	uint64_t above_floor = room(&st->floor, m);
 
-	return free > rc.learned_floor ? free - rc.learned_floor : 0;
+	return above_floor > rc.learned_floor ?
+	       above_floor - rc.learned_floor : 0;
 }
 
 /* One background tick with rc.lock held; returns how long to wait. */
