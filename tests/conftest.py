@@ -12,7 +12,7 @@ import pytest
 
 from tests.ci_skip_gate import pytest_configure  # noqa: F401 - the CI skip gate
 from thinvm.fleet import pki
-from thinvm.fleet.cluster import ClusterState, Host, cluster_dir, virsh
+from thinvm.fleet.cluster import ClusterState, Host, cluster_dir, shared_dir, virsh
 from thinvm.guest.image import DiskImage
 from thinvm.paths import cache_dir
 from thinvm.testing import keptboot, profile
@@ -116,7 +116,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed and os.environ.get("THINVM_CLUSTER_DIR"):
-        for name, tail in guest_console_tails(cluster_dir() / "shared"):
+        for name, tail in guest_console_tails(shared_dir(cluster_dir())):
             report.sections.append((f"console of {name}, last lines", tail))
 
 
