@@ -4,7 +4,7 @@ continuous reader."""
 import pytest
 
 from thinvm.bench.scenarios import steady
-from thinvm.bench.scenarios.steady import SETTLED_WITHIN, reclaimer_figures, window_figures
+from thinvm.bench.scenarios.steady import SETTLED_WITHIN, window_figures
 from thinvm.errors import ThinvmError
 from thinvm.units import MiB
 
@@ -41,15 +41,3 @@ def test_the_continuous_reader_is_a_choice_and_counts_whole_reads() -> None:
     assert line.endswith(">/dev/null 2>&1 </dev/null &"), line
     assert f"do echo >>{steady.READER_PASSES}; done" in line
     assert "dd if=/srv/thinvm-ws/data of=/dev/null" in line
-
-
-def test_reclaimer_figures_count_the_whole_thread_and_its_work_apart() -> None:
-    """Over a 100 s window the thread used 500 ms, 200 of them in 3 steps:
-    the share of a vCPU is the thread's (0.5%), not the work's."""
-    figures = reclaimer_figures((1000, 4000, 7), (1200, 4500, 10), 100.0)
-    assert figures == {
-        "reclaim_work_cpu_s": 0.2,
-        "reclaim_steps": 3,
-        "reclaimer_thread_cpu_s": 0.5,
-        "reclaimer_thread_cpu_pct": 0.5,
-    }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from thinvm.errors import GuestError
 from thinvm.guest import trim
 from thinvm.guest.agent import AgentClient
 from thinvm.host.memory import Settled
@@ -155,3 +156,29 @@ def test_a_trim_left_to_the_kernels_pace_waits_for_the_host(
     assert waited == [trim.expected_return(answer)]
     assert (result.rss_after, result.settle_seconds) == (560 << 20, 7.5)
     assert "settled after 7.5 s" in result.describe("vm1")
+
+
+def test_reclaimer_clock_reads_both_clocks_and_refuses_an_old_agent(
+    agent: Callable[[Answer], AgentClient],
+) -> None:
+    status = {"background": True, "cpu_ms": 1200, "thread_cpu_ms": 4500, "steps": 10}
+    client = agent(lambda line: json_reply(status))
+    assert trim.ReclaimerClock.read(client) == trim.ReclaimerClock(True, 1200, 4500, 10)
+    del status["thread_cpu_ms"]
+    with pytest.raises(GuestError, match="predates thread_cpu_ms"):
+        trim.ReclaimerClock.read(client)
+
+
+def test_reclaimer_usage_counts_the_whole_thread_and_its_work_apart() -> None:
+    """Two guests over a 100 s window: their threads used 500 + 300 ms,
+    200 + 100 of them in 3 + 1 steps; the share of a vCPU is each thread's
+    (0.4% on average), not the work's."""
+    before = [trim.ReclaimerClock(True, 1000, 4000, 7), trim.ReclaimerClock(True, 0, 0, 0)]
+    after = [trim.ReclaimerClock(True, 1200, 4500, 10), trim.ReclaimerClock(True, 100, 300, 1)]
+    assert trim.reclaimer_usage(before, after, 100.0) == {
+        "reclaim_work_cpu_s": 0.3,
+        "reclaim_steps": 4,
+        "reclaimer_thread_cpu_s": 0.8,
+        "reclaimer_thread_cpu_pct": 0.4,
+    }
+    assert trim.reclaimer_usage([], [], 100.0)["reclaimer_thread_cpu_pct"] == 0.0

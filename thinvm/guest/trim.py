@@ -156,6 +156,52 @@ def reclaimer_status(
     return reply if isinstance(reply, dict) else None
 
 
+@dataclass(frozen=True)
+class ReclaimerClock:
+    """The guest reclaimer's counters since its agent started (RECLAIM
+    status): `work_ms` is what its reclaim steps and compactions took;
+    `thread_ms` its background thread's whole clock, which adds what its
+    idle ticks cost (reading meminfo, vmstat, PSI): what the mode costs a
+    guest that has nothing to give."""
+
+    background: bool
+    work_ms: int
+    thread_ms: int
+    steps: int
+
+    @classmethod
+    def read(cls, agent: AgentClient, timeout: float = 30.0) -> "ReclaimerClock":
+        status = reclaimer_status(agent, timeout=timeout)
+        if status is None:
+            raise GuestError("the guest's agent has no reclaimer")
+        if "thread_cpu_ms" not in status:
+            raise GuestError("the guest's agent predates thread_cpu_ms: rebuild the image")
+        return cls(
+            bool(status.get("background")),
+            int(status["cpu_ms"]),
+            int(status["thread_cpu_ms"]),
+            int(status["steps"]),
+        )
+
+
+def reclaimer_usage(
+    before: list[ReclaimerClock], after: list[ReclaimerClock], window: float
+) -> dict[str, float]:
+    """What guests' reclaimers used between two readings `window` seconds
+    apart: work and whole-thread CPU summed over the guests, steps, and the
+    thread's mean share of one vCPU (a guest's reclaimer runs on one)."""
+    pairs = list(zip(before, after, strict=True))
+    work_ms = sum(a.work_ms - b.work_ms for b, a in pairs)
+    thread_ms = sum(a.thread_ms - b.thread_ms for b, a in pairs)
+    share = thread_ms / 1000 / (window * len(pairs)) if pairs and window > 0 else 0.0
+    return {
+        "reclaim_work_cpu_s": work_ms / 1000,
+        "reclaim_steps": sum(a.steps - b.steps for b, a in pairs),
+        "reclaimer_thread_cpu_s": thread_ms / 1000,
+        "reclaimer_thread_cpu_pct": round(100 * share, 3),
+    }
+
+
 def set_background(
     agent: AgentClient, on: bool, timeout: float = 30.0, wait: float | None = None
 ) -> dict[str, Any] | None:

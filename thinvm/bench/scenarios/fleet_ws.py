@@ -53,8 +53,8 @@ from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, guest, hostcgroups, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.guest import image as guest_image
-from thinvm.guest import workload
-from thinvm.guest.trim import reclaimer_status, set_background
+from thinvm.guest import trim, workload
+from thinvm.guest.trim import ReclaimerClock, set_background
 from thinvm.host.memory import process_memory
 from thinvm.units import MiB, format_size
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
@@ -241,14 +241,16 @@ def read_hot(h: Host, name: str, work: Workload) -> float:
         client.close()
 
 
-def reclaimer_figures(h: Host, name: str) -> tuple[bool, float]:
-    """(background on, CPU seconds the reclaimer used so far)."""
-    client = guest.agent(h, name)
-    try:
-        status = reclaimer_status(client) or {}
-    finally:
-        client.close()
-    return bool(status.get("background")), int(status.get("cpu_ms", 0)) / 1000
+def reclaimer_clocks(h: Host) -> list[ReclaimerClock]:
+    """Every guest's reclaimer counters on `h`, in GUESTS' order."""
+    clocks = []
+    for name in GUESTS:
+        client = guest.agent(h, name)
+        try:
+            clocks.append(ReclaimerClock.read(client))
+        finally:
+            client.close()
+    return clocks
 
 
 # -- one run ----------------------------------------------------------------------
@@ -343,10 +345,20 @@ def prepare(ctx: RunContext, src: Host, side: Side, work: Workload) -> Metrics:
 
 def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -> Metrics:
     metrics = prepare(ctx, src, side, work)
+    opened, start = reclaimer_clocks(src), time.monotonic()
     run_window(ctx, src, work)
-    reclaim = [reclaimer_figures(src, name) for name in GUESTS]
-    if any(on != side.reclaimer for on, _ in reclaim):
+    closed = reclaimer_clocks(src)
+    if any(clock.background != side.reclaimer for clock in closed):
         raise ThinvmError(f"a guest's reclaimer is not {'on' if side.reclaimer else 'off'}")
+    # Work and steps from the guests' boot (the load included: nothing the
+    # reclaimers did before the window is left out), the thread's share of
+    # a vCPU over the window itself.
+    booted = [ReclaimerClock(clock.background, 0, 0, 0) for clock in closed]
+    usage = trim.reclaimer_usage(booted, closed, 1.0)
+    usage["reclaimer_thread_cpu_pct"] = trim.reclaimer_usage(
+        opened, closed, time.monotonic() - start
+    )["reclaimer_thread_cpu_pct"]
+    metrics.update(usage)
     metrics["src_rss_bytes"] = hosts_rss(src)
     placement = {src.name: allowed_cpus(guest.qemu_pid(src, GUESTS[0]))}
     plain, parallel = Leg(""), Leg("parallel_")
@@ -355,7 +367,6 @@ def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -
     # Which CPUs each side's QEMU may run on: the pairing held.
     ctx.note("qemu_cpus", {**placement, dst.name: allowed_cpus(guest.qemu_pid(dst, GUESTS[0]))})
     move_all(ctx, dst, src, work, parallel, CHANNELS)
-    metrics["reclaimer_cpu_s"] = round(sum(cpu for _, cpu in reclaim), 3)
     return {**metrics, **plain.metrics, **parallel.metrics}
 
 
@@ -478,8 +489,11 @@ def description(work: Workload, size: int, link: str, kernel: str) -> str:
         "checked on arrival (pattern; `hot_reread_ms`: its hot subset read again there), and "
         f"moves back with `--parallel --parallel-connections {CHANNELS}` (`parallel_` "
         "figures). `src_rss_bytes`: the guests' QEMUs' RSS on the source at the window's "
-        "end; `src_cpu_s`: the source QEMUs' CPU during their migrations; `reclaimer_cpu_s` "
-        "the guests' reclaimer threads' CPU up to the window's end. stock-best is not "
+        "end; `src_cpu_s`: the source QEMUs' CPU during their migrations; "
+        "`reclaimer_thread_cpu_s` the guests' reclaimer threads' whole CPU from boot to the "
+        "window's end (`reclaim_work_cpu_s` and `reclaim_steps` its reclaiming part), "
+        "`reclaimer_thread_cpu_pct` a thread's mean share of one vCPU over the window "
+        "(records before 2026-11-29 gave only the work, as `reclaimer_cpu_s`). stock-best is not "
         "chosen per run: it is the configuration that won fleet-migrate's stock rows "
         "(reporting, and multifd for --parallel)."
     )

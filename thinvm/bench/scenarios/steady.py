@@ -100,32 +100,6 @@ def qemu_cpu_seconds(vm: VM) -> float:
     return seconds
 
 
-def reclaimer_counters(vm: VM) -> tuple[int, int, int]:
-    """The reclaimer's (work CPU ms, background thread CPU ms, steps).
-
-    Work is what its reclaim steps and compactions took; the thread's
-    clock adds what its idle ticks cost (reading meminfo, vmstat, PSI),
-    which is what the mode costs a guest that has nothing to give."""
-    status = trim.reclaimer_status(vm.agent)
-    if status is None:
-        raise ThinvmError("the guest's agent has no reclaimer")
-    if "thread_cpu_ms" not in status:
-        raise ThinvmError("the guest's agent predates thread_cpu_ms: rebuild the image")
-    return int(status["cpu_ms"]), int(status["thread_cpu_ms"]), int(status["steps"])
-
-
-def reclaimer_figures(
-    before: tuple[int, int, int], after: tuple[int, int, int], window: float
-) -> Metrics:
-    work_ms, thread_ms, steps = (a - b for a, b in zip(after, before, strict=True))
-    return {
-        "reclaim_work_cpu_s": work_ms / 1000,
-        "reclaim_steps": steps,
-        "reclaimer_thread_cpu_s": thread_ms / 1000,
-        "reclaimer_thread_cpu_pct": round(100 * thread_ms / 1000 / window, 3),
-    }
-
-
 def sample_rss(vm: VM, seconds: float, ctx: RunContext) -> list[tuple[float, int]]:
     """(seconds since the window opened, QEMU RSS) every SAMPLE_SECONDS."""
     samples: list[tuple[float, int]] = []
@@ -183,11 +157,11 @@ def steady_run(
             cached = workload.meminfo(vm.agent)["Cached"]
             if reader == "loop":
                 vm.agent.check(reader_command(disk.source.path))
-            qemu_cpu, counters = qemu_cpu_seconds(vm), reclaimer_counters(vm)
+            qemu_cpu, clock = qemu_cpu_seconds(vm), trim.ReclaimerClock.read(vm.agent)
             window = minutes * 60
             samples = sample_rss(vm, window, ctx)
             qemu_cpu = qemu_cpu_seconds(vm) - qemu_cpu
-            reclaimer = reclaimer_figures(counters, reclaimer_counters(vm), window)
+            reclaimer = trim.reclaimer_usage([clock], [trim.ReclaimerClock.read(vm.agent)], window)
             ctx.note("rss_samples", samples)
             figures = window_figures(samples)
             if reader == "loop":
