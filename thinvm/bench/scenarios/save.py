@@ -100,18 +100,28 @@ def _restore(
 ) -> tuple[VM, Metrics]:
     """A new QEMU that loads the saved file and runs; returns it (caller owns
     it) and the CPU seconds its threads spent loading (dst_*)."""
+    began = time.monotonic()
     dst = VM(config, incoming=True).start()
     try:
+        started = time.monotonic()
         migrate.set_capabilities(dst, caps)
         migrate.set_parameters(dst, {**CHANNELS, **params})
         ctx.step("restoring")
         with MigrationCpu(None, dst.pid) as cpu:
+            loading = time.monotonic()
             dst.qmp("migrate-incoming", uri=uri)
             migrate.wait_destination_status(dst, "running", timeout=600)
+            running = time.monotonic()
     except BaseException:
         dst.kill()
         raise
-    return dst, cpu.metrics
+    # Where a restore's time goes: the new QEMU's start (the same on every
+    # stack's binary but not necessarily its machine), then the load itself.
+    phases = {
+        "restore_start_ms": round((started - began) * 1000, 1),
+        "restore_load_ms": round((running - loading) * 1000, 1),
+    }
+    return dst, {**cpu.metrics, **phases}
 
 
 @dataclass(frozen=True)
@@ -219,8 +229,11 @@ def make_save_restore(opts: BenchOptions, params: dict[str, str], size: int) -> 
             "source's RSS stops falling), then `migrate` saves it to `file:` on the host's "
             "disk (page cache); a new QEMU restores it from that file "
             "(`migrate-incoming`) and verifies the data page by page. Save time is "
-            "`query-migrate`'s total time; restore time is from `migrate-incoming` until "
-            "the guest runs again. File bytes are the blocks the file holds on disk "
+            "`query-migrate`'s total time; restore time (`restore_ms`) is from starting the "
+            "new QEMU until the guest runs again: `restore_start_ms` that QEMU's start "
+            "(until its QMP answers), `restore_load_ms` from `migrate-incoming` until "
+            "the guest runs (records before 2026-11-29 have only the sum). File bytes are "
+            "the blocks the file holds on disk "
             "(mapped-ram leaves zero pages as holes); file size is its apparent size. "
             "**stock-best** is the stock candidate with the lowest median save + restore "
             "time (`save_restore_ms`) in the same run."
