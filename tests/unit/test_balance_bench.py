@@ -32,6 +32,7 @@ class FakeSampler:
         self.t = [0.0, 1.0]
         self.usage = [100 * MiB, 300 * MiB]
         self.swap = [0, 5 * MiB]
+        self.qemu_cpu = {101: 12.5, 102: 30.25}
 
 
 def metrics(setup: Setup, runs: list[GuestRun], shared: Shared, alive: list[bool]) -> Any:
@@ -72,6 +73,8 @@ def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -
     assert got["finished_guests"] == 4
     assert got["swap_peak_bytes"] == 5 * MiB
     assert got["steps_done"] == 5 and got["host_swapin_bytes"] == 3 * 4096
+    # Every QEMU's CPU, a dead one's up to its last reading.
+    assert got["qemu_cpu_s"] == 42.75
 
 
 def test_rereads_count_as_work_and_must_lie_within_what_was_read() -> None:
@@ -150,6 +153,7 @@ def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
         "reclaimer_refault_pages": 2148,
         "reclaimer_cpu_s": 2.148,
         "reclaimer_compactions": 0,
+        "controller_cpu_s": 0.0,
     }
 
 

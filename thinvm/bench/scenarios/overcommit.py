@@ -42,6 +42,7 @@ from thinvm.errors import ThinvmError
 from thinvm.guest import trim as guest_trim
 from thinvm.guest import workload as guest_workload
 from thinvm.host.memory import host_meminfo, parse_vmstat
+from thinvm.host.procs import process_cpu
 from thinvm.units import MiB, format_size, parse_size
 from thinvm.vm.machine import VM, VMConfig
 
@@ -258,14 +259,16 @@ def _boot(cgroup: MemoryCgroup, stack: contextlib.ExitStack, config: VMConfig) -
 
 
 class Sampler:
-    """The cgroup's memory and the host's swap, once a second."""
+    """The cgroup's memory and the host's swap, once a second, and each
+    QEMU's CPU seconds (the last reading of one the OOM killer took stays)."""
 
-    def __init__(self, cgroup: MemoryCgroup, swap_before: int) -> None:
+    def __init__(self, cgroup: MemoryCgroup, swap_before: int, pids: list[int]) -> None:
         self.cgroup, self.swap_before = cgroup, swap_before
         self.start = time.monotonic()
         self.t: list[float] = []
         self.usage: list[int] = []
         self.swap: list[int] = []
+        self.qemu_cpu = dict.fromkeys(pids, 0.0)
         self._next = 0.0
 
     def maybe_sample(self) -> None:
@@ -276,6 +279,13 @@ class Sampler:
         self.t.append(round(now - self.start, 1))
         self.usage.append(self.cgroup.usage())
         self.swap.append(max(0, swap_used() - self.swap_before))
+        self.sample_cpu()
+
+    def sample_cpu(self) -> None:
+        for pid in self.qemu_cpu:
+            seconds = process_cpu(pid)
+            if seconds is not None:
+                self.qemu_cpu[pid] = seconds
 
 
 @dataclass(frozen=True)
@@ -375,8 +385,9 @@ class Overcommit:
             log: deque[str] = deque(maxlen=CONTROLLER_LOG_LINES)
             controller = _controller(setup, vms, cgroup, plan, log)
             levers = Levers()
-            sampler = Sampler(cgroup, swap_before)
+            sampler = Sampler(cgroup, swap_before, [vm.pid or 0 for vm in vms])
             self._run_guests(vms, runs, controller, levers, sampler, ctx)
+            sampler.sample_cpu()
             if controller is not None:
                 # What it did and why (targets set, trims, reclaimers
                 # switched): which guest the balloon took from, and when.
@@ -545,7 +556,10 @@ def describe(plan: Plan) -> str:
         f"no guest or host OOM kill and its own work within {SLOW}x of the "
         "unconstrained run's completion (its slowest guest) with as many guests. "
         f"{sweep}`steps_done`, `guest_stall_s` (median PSI memory stall per guest) and "
-        "`host_swapin_bytes` say how the work went whatever the machine's load. "
+        "`host_swapin_bytes` say how the work went whatever the machine's load; "
+        "`qemu_cpu_s` is what the guests cost the host (every QEMU process, boot to the "
+        "pass's end), `controller_cpu_s` the host controller's cycles and "
+        "`reclaimer_cpu_s` the guests' reclaim work. "
         "Controllers run every "
         f"{plan.interval:g} s; thinvm's keeps a floor of {format_size(FLOOR)} and "
         "reads the guests' pressure, the anchors (proxmox, mom) keep the minimum their "
@@ -670,6 +684,7 @@ class Levers:
     trims: int = 0
     trim_bytes: int = 0  # asked for; the guest takes what is above its floor
     reclaimers: dict[str, Reclaimer] = field(default_factory=dict)  # last counters
+    controller_cpu: float = 0.0  # the controller's cycles, this thread's clock
 
     def add(self, report: CycleReport) -> None:
         for decision in report.decisions:
@@ -701,6 +716,9 @@ class Levers:
             # workload did not get (steps and compactions, as counted last).
             "reclaimer_cpu_s": sum(r.cpu_ms for r in last) / 1000,
             "reclaimer_compactions": sum(r.compactions for r in last),
+            # The host's side of the policy: the controller's cycles (QMP,
+            # the guests' statistics, its decisions), 0 without one.
+            "controller_cpu_s": round(self.controller_cpu, 3),
         }
 
 
@@ -722,8 +740,10 @@ def _drive(
             return
         sampler.maybe_sample()
         if controller is not None and now >= next_cycle:
+            began = time.thread_time()
             with contextlib.suppress(ThinvmError, OSError):
                 levers.add(controller.step())
+            levers.controller_cpu += time.thread_time() - began
             next_cycle = now + controller.interval
         done = sum(len(r.step_seconds) for r in runs)
         ctx.step(
@@ -802,6 +822,9 @@ def _metrics(
         "peak_bytes": peak,
         "mean_bytes": int(statistics.mean(sampler.usage)) if sampler.usage else None,
         "balloon_actions": controller.actions if controller is not None else 0,
+        # What running the guests cost the host: every QEMU process, vCPUs
+        # included, from its boot to the pass's end.
+        "qemu_cpu_s": round(sum(sampler.qemu_cpu.values()), 2),
     }
 
 
