@@ -30,6 +30,17 @@ uri=$("$top/scripts/debian-apt.sh" mirror)
 hash=$({ echo "$uri"; cat "$here/debian-root.sh"; } | sha256sum | cut -c1-12)
 tarball=$dir/bookworm-$hash.tar
 
+# mmdebstrap has apt's hooks written through "cat >&N" by /bin/sh, and
+# dash takes only single-digit descriptors there: descriptors inherited
+# from the caller (a CI runner's, a lock's) push N past 9, and apt then
+# fails with "Bad fd number".  Keep only stdin, stdout and stderr.
+for fd in /proc/$$/fd/*; do
+	fd=${fd##*/}
+	if [ "$fd" -gt 2 ] && [ "$fd" -lt 100 ]; then
+		eval "exec $fd>&-"
+	fi
+done
+
 mkdir -p "$archives"
 exec 9>"$dir/.lock"
 flock 9
@@ -47,7 +58,7 @@ mmdebstrap --mode=root --variant=apt --format=tar \
 	--setup-hook="sync-in $archives /var/cache/apt/archives/" \
 	--customize-hook="sync-out /var/cache/apt/archives $archives" \
 	--customize-hook='rm -f "$1"/var/cache/apt/archives/*.deb' \
-	bookworm "$tarball.tmp" "deb $uri bookworm main" >&2
+	bookworm "$tarball.tmp" "deb $uri bookworm main" >&2 9>&-
 mv "$tarball.tmp" "$tarball"
 for old in "$dir"/bookworm-*.tar; do
 	[ "$old" = "$tarball" ] || rm -f "$old"
