@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.ci_skip_gate import pytest_configure  # noqa: F401 - the CI skip gate
+from thinvm.errors import ThinvmError
 from thinvm.fleet import pki
-from thinvm.fleet.cluster import ClusterState, Host, cluster_dir, shared_dir, virsh
+from thinvm.fleet.cluster import ClusterState, Host, cluster_dir, load_state, shared_dir, virsh
 from thinvm.guest.image import DiskImage
 from thinvm.paths import cache_dir
 from thinvm.testing import keptboot, profile
@@ -118,6 +119,36 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and os.environ.get("THINVM_CLUSTER_DIR"):
         for name, tail in guest_console_tails(shared_dir(cluster_dir())):
             report.sections.append((f"console of {name}, last lines", tail))
+        report.sections.append(("running domains", running_domains()))
+
+
+def running_domains() -> str:
+    """Each host's running domains, their state and reason, and whether
+    their first vCPU moves (its instruction pointer read twice, 2 s apart):
+    a guest that stopped answering may be paused, spinning or halted."""
+    lines = []
+    try:
+        state = load_state(cluster_dir())
+    except (ThinvmError, OSError, ValueError) as e:
+        return f"no cluster state: {e}"
+    for h in state.hosts:
+        try:
+            names = virsh(h, "list", "--name", timeout=20).split()
+            for name in names:
+                lines.append(f"{h.name} {name}: {domain_liveness(h, name)}")
+        except ThinvmError as e:
+            lines.append(f"{h.name}: {e}")
+    return "\n".join(lines) or "none"
+
+
+def domain_liveness(h: Host, name: str) -> str:
+    state = virsh(h, "domstate", "--reason", name, timeout=20).strip()
+    rips = []
+    for _ in range(2):
+        regs = virsh(h, "qemu-monitor-command", "--hmp", name, "info registers", timeout=20)
+        rips.extend(w for w in regs.split() if w.startswith("RIP="))
+        time.sleep(2)
+    return f"{state}; {' then '.join(rips) or 'no RIP'}"
 
 
 def guest_console_tails(shared: Path) -> list[tuple[str, str]]:
