@@ -98,6 +98,18 @@ def test_no_reference_no_fit() -> None:
     assert got["fit_guests"] is None
 
 
+def test_below_the_sweep_the_bar_comes_from_the_smallest_count_above() -> None:
+    """A sweep going down to 3 guests finds no unconstrained run at 3: the
+    4-guest run's slowest guest (slower, more guests share the CPUs) sets
+    a more lenient bar, and the record says so."""
+    shared = Shared(reference_work={4: 10.0, 5: 13.0})
+    assert shared.reference(3) == (10.0, 4) and shared.reference(5) == (13.0, 5)
+    assert Shared(reference_work={4: 10.0}).reference(6) is None
+    runs = [run("a", [11.5]), run("b", [12.5]), run("c", [9.0])]
+    got = metrics(Setup(True, True, "reporting"), runs, shared, [True] * 3)
+    assert got["fit_guests"] == 2 and got["bar_from_guests"] == 4
+
+
 def test_sweep_counts_parse_and_reject_nonsense() -> None:
     assert _sweep_counts("", 4) == [4]
     assert _sweep_counts("5,3,4", 4) == [3, 4, 5]
