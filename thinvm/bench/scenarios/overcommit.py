@@ -404,7 +404,10 @@ class Overcommit:
                 # What it did and why (targets set, trims, reclaimers
                 # switched): which guest the balloon took from, and when.
                 ctx.note("controller_log", list(log))
-            _collect(vms, runs, levers if controller is not None else None)
+            # The reclaimers' final counters wherever one ran: under a
+            # controller, or on its own (stock-reclaimer).
+            reclaimed = controller is not None or setup.reclaimer
+            _collect(vms, runs, levers if reclaimed else None)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
             alive = [vm.alive() for vm in vms]
