@@ -191,15 +191,23 @@ def reclaimer_usage(
     apart: work and whole-thread CPU summed over the guests, steps, and the
     thread's mean share of one vCPU (a guest's reclaimer runs on one)."""
     pairs = list(zip(before, after, strict=True))
-    work_ms = sum(a.work_ms - b.work_ms for b, a in pairs)
-    thread_ms = sum(a.thread_ms - b.thread_ms for b, a in pairs)
-    share = thread_ms / 1000 / (window * len(pairs)) if pairs and window > 0 else 0.0
     return {
-        "reclaim_work_cpu_s": work_ms / 1000,
+        "reclaim_work_cpu_s": sum(a.work_ms - b.work_ms for b, a in pairs) / 1000,
         "reclaim_steps": sum(a.steps - b.steps for b, a in pairs),
-        "reclaimer_thread_cpu_s": thread_ms / 1000,
-        "reclaimer_thread_cpu_pct": round(100 * share, 3),
+        "reclaimer_thread_cpu_s": sum(a.thread_ms - b.thread_ms for b, a in pairs) / 1000,
+        "reclaimer_thread_cpu_pct": thread_share_pct(before, after, window),
     }
+
+
+def thread_share_pct(
+    before: list[ReclaimerClock], after: list[ReclaimerClock], window: float
+) -> float:
+    """The reclaimers' threads' mean share of one vCPU, in percent, between
+    two readings `window` seconds apart."""
+    thread_ms = sum(a.thread_ms - b.thread_ms for b, a in zip(before, after, strict=True))
+    if not before or window <= 0:
+        return 0.0
+    return round(100 * thread_ms / 1000 / (window * len(before)), 3)
 
 
 def set_background(

@@ -353,12 +353,10 @@ def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -
     # Work and steps from the guests' boot (the load included: nothing the
     # reclaimers did before the window is left out), the thread's share of
     # a vCPU over the window itself.
+    window = time.monotonic() - start
     booted = [ReclaimerClock(clock.background, 0, 0, 0) for clock in closed]
-    usage = trim.reclaimer_usage(booted, closed, 1.0)
-    usage["reclaimer_thread_cpu_pct"] = trim.reclaimer_usage(
-        opened, closed, time.monotonic() - start
-    )["reclaimer_thread_cpu_pct"]
-    metrics.update(usage)
+    metrics.update(trim.reclaimer_usage(booted, closed, window))
+    metrics["reclaimer_thread_cpu_pct"] = trim.thread_share_pct(opened, closed, window)
     metrics["src_rss_bytes"] = hosts_rss(src)
     placement = {src.name: allowed_cpus(guest.qemu_pid(src, GUESTS[0]))}
     plain, parallel = Leg(""), Leg("parallel_")
