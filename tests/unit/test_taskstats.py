@@ -101,6 +101,23 @@ def test_listener_hears_a_thread_of_its_process_exit_with_its_name_and_cpu() -> 
     assert {r.tgid for r in records.values()} == {os.getpid()}
 
 
+def test_close_returns_at_once_with_what_exited_before_it() -> None:
+    """close() wakes the receiving thread instead of waiting out its receive
+    timeout (a migration's CPU figures are timed across it), and what
+    exited just before it is still counted, by the drain."""
+    listener = ExitListener({os.getpid()}).open()
+    time.sleep(0.05)  # the receiving thread waits in select()
+    worker = threading.Thread(target=_burn, args=("close-race", 0.01))
+    worker.start()
+    worker.join()
+    while os.path.exists(f"/proc/self/task/{worker.native_id}"):
+        time.sleep(0.001)
+    start = time.monotonic()
+    records = listener.close()
+    assert time.monotonic() - start < 0.05
+    assert worker.native_id in records
+
+
 def test_without_root_the_listener_says_why_and_the_sampler_estimates() -> None:
     read, write = os.pipe()
     child = os.fork()
