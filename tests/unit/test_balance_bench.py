@@ -15,10 +15,10 @@ from thinvm.bench.scenarios.overcommit import (
     Setup,
     Shared,
     Workload,
-    _metrics,
     _sweep_counts,
     _sweep_metrics,
     anchor_floor,
+    count_metrics,
     density_targets,
 )
 from thinvm.bench.scenarios.params import check_params
@@ -38,7 +38,8 @@ class FakeSampler:
 def metrics(setup: Setup, runs: list[GuestRun], shared: Shared, alive: list[bool]) -> Any:
     ctx = RunContext("overcommit", "v", 1, 1)
     count = len(runs)
-    return _metrics(setup, count, runs, alive, 0, 300 * MiB, FakeSampler(), None, ctx, shared, 3)  # type: ignore[arg-type]
+    sampler: Any = FakeSampler()
+    return count_metrics(setup, count, runs, alive, 0, 300 * MiB, sampler, None, ctx, shared, 3)
 
 
 def run(name: str, seconds: list[float], finished: bool = True, ooms: int = 0) -> GuestRun:

@@ -89,14 +89,14 @@ def disk_args(path: Path, direct: bool = False) -> list[str]:
     return ["-drive", f"file={path},if=virtio,format=raw,readonly=on{cache}"]
 
 
-def hold_disk_open(agent: AgentClient) -> None:
+SCRATCH_DEVICE = "/dev/vda"  # a busybox guest's only disk
+
+
+def hold_disk_open(agent: AgentClient, device: str = SCRATCH_DEVICE) -> None:
     """A block device's page cache is dropped when its last opener closes
-    it: a sleeping process keeps /dev/vda open, as a mounted filesystem
+    it: a sleeping process keeps the device open, as a mounted filesystem
     would."""
-    agent.check("sleep 1000000 </dev/vda >/dev/null 2>&1 &")
-
-
-SCRATCH_DEVICE = "/dev/vda"
+    agent.check(f"sleep 1000000 <{device} >/dev/null 2>&1 &")
 
 
 def read_disk_command(

@@ -25,22 +25,23 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thinvm.balance.backends import CgroupBudget, GivenVmsBackend
+from thinvm.balance.backends import CgroupBudget, GivenVmsBackend, HostSource, VmBackend
 from thinvm.balance.daemon import Controller, CycleReport
 from thinvm.balance.model import Reclaimer, VmLimits
 from thinvm.balance.policies import Policy, ThinvmParams, ThinvmPolicy, make_policy
 from thinvm.bench.probe import MemoryCgroup, memory_cgroup, spawn_in
-from thinvm.bench.scenarios.common import timed_in_guest
+from thinvm.bench.scenarios.common import timed_by_agent
 from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
 from thinvm.guest import trim as guest_trim
 from thinvm.guest import workload as guest_workload
+from thinvm.guest.agent import AgentClient
 from thinvm.host.memory import host_meminfo, parse_vmstat
 from thinvm.host.procs import process_cpu
 from thinvm.units import MiB, format_size, parse_size
@@ -86,6 +87,22 @@ class Workload:
         return max(1, self.wss // self.step)
 
 
+@dataclass(frozen=True)
+class Guest:
+    """One guest as the workload and the final readings reach it: its
+    agent (a thinvm VM's, or a libvirt domain's channel) and whether its
+    QEMU still runs.  `disk`: the guest's device of the scratch disk."""
+
+    name: str
+    agent: AgentClient
+    alive: Callable[[], bool]
+    disk: str = guest_workload.SCRATCH_DEVICE
+
+    @classmethod
+    def of(cls, vm: VM) -> "Guest":
+        return cls(vm.config.name, vm.agent, vm.alive)
+
+
 @dataclass
 class GuestRun:
     name: str
@@ -104,23 +121,28 @@ class GuestRun:
         return sum(self.step_seconds) + sum(self.reread_seconds)
 
 
-def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: threading.Event) -> None:
+def run_phases(
+    guest: Guest, work: Workload, delay: float, out: GuestRun, stop: threading.Event
+) -> None:
     """The workload of one guest, through its agent (never its QMP monitor)."""
+    agent = guest.agent
     try:
         if work.read:
-            guest_workload.hold_disk_open(vm.agent)
+            guest_workload.hold_disk_open(agent, guest.disk)
         if stop.wait(delay):
             return
         for round_ in range(work.rounds):
             if work.read:
-                guest_workload.read_disk(vm.agent, work.read, skip=round_ * work.read)
+                guest_workload.read_disk(
+                    agent, work.read, skip=round_ * work.read, source=guest.disk
+                )
                 out.read_bytes += work.read
             for k in range(work.steps):
                 cmd = f"thinvm-mem hold {work.step // MiB} --pidfile /run/ph-{k}.pid"
-                out.step_seconds.append(timed_in_guest(vm, cmd))
+                out.step_seconds.append(timed_by_agent(agent, cmd))
                 if work.reread:
-                    hot = guest_workload.read_disk_command(work.reread)
-                    out.reread_seconds.append(timed_in_guest(vm, hot))
+                    hot = guest_workload.read_disk_command(work.reread, source=guest.disk)
+                    out.reread_seconds.append(timed_by_agent(agent, hot))
                 if stop.wait(work.step_pause):
                     return
             if stop.wait(work.hold):
@@ -128,7 +150,7 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
             # A holder removes its own pid file when it exits, so a file the
             # glob found may be gone by the time rm gets to it (busybox's
             # rm -f still complains then): that is not a failure.
-            vm.agent.check(
+            agent.check(
                 "for f in /run/ph-*.pid; do kill $(cat $f) 2>/dev/null; "
                 "rm -f $f 2>/dev/null; done; true",
                 timeout=60,
@@ -140,10 +162,10 @@ def run_phases(vm: VM, work: Workload, delay: float, out: GuestRun, stop: thread
         out.error = str(exc)[:300]
 
 
-def guest_stall_us(vm: VM) -> int | None:
+def guest_stall_us(agent: AgentClient) -> int | None:
     """Microseconds some task in the guest stalled on memory (PSI), ever."""
     try:
-        text = vm.agent.check("cat /proc/pressure/memory", timeout=30).stdout
+        text = agent.check("cat /proc/pressure/memory", timeout=30).stdout
     except ThinvmError:
         return None
     for line in text.splitlines():
@@ -157,9 +179,9 @@ def host_swapins() -> int:
     return parse_vmstat(Path("/proc/vmstat").read_text()).get("pswpin", 0)
 
 
-def guest_vmstat(vm: VM) -> str | None:
+def guest_vmstat(agent: AgentClient) -> str | None:
     try:
-        return vm.agent.check("cat /proc/vmstat", timeout=30).stdout
+        return agent.check("cat /proc/vmstat", timeout=30).stdout
     except ThinvmError:
         return None
 
@@ -390,15 +412,16 @@ class Overcommit:
             for i in range(count):
                 ctx.step(f"{count} guests: booting guest {i + 1}")
                 vms.append(_boot(cgroup, stack, self.config(f"oc{i}", setup)))
+            guests = [Guest.of(vm) for vm in vms]
             if setup.reclaimer:
-                _reclaim_in_background(vms)
-            runs = [GuestRun(vm.config.name) for vm in vms]
+                _reclaim_in_background(guests)
+            runs = [GuestRun(g.name) for g in guests]
             # Its last actions only: a long run logs a line per action.
             log: deque[str] = deque(maxlen=CONTROLLER_LOG_LINES)
             controller = _controller(setup, vms, cgroup, plan, log)
             levers = Levers()
             sampler = Sampler(cgroup, swap_before, [vm.pid or 0 for vm in vms])
-            self._run_guests(vms, runs, controller, levers, sampler, ctx)
+            run_guests(guests, runs, controller, levers, sampler, ctx, plan)
             sampler.sample_cpu()
             if controller is not None:
                 # What it did and why (targets set, trims, reclaimers
@@ -407,65 +430,65 @@ class Overcommit:
             # The reclaimers' final counters wherever one ran: under a
             # controller, or on its own (stock-reclaimer).
             reclaimed = controller is not None or setup.reclaimer
-            _collect(vms, runs, levers if reclaimed else None)
+            collect_final(guests, runs, levers if reclaimed else None)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
-            alive = [vm.alive() for vm in vms]
+            alive = [g.alive() for g in guests]
         swapins = host_swapins() - swapins_before
-        metrics = _metrics(
+        metrics = count_metrics(
             setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, self.shared,
             swapins,
         )  # fmt: skip
         return {**metrics, **levers.metrics()}
 
-    def _run_guests(
-        self,
-        vms: list[VM],
-        runs: list[GuestRun],
-        controller: Controller | None,
-        levers: "Levers",
-        sampler: Sampler,
-        ctx: RunContext,
-    ) -> None:
-        """Every guest's phases in a thread of its own, started `stagger`
-        apart, while the controller (if any) and the sampler run."""
-        plan = self.plan
-        stop = threading.Event()
-        threads = [
-            threading.Thread(
-                target=run_phases,
-                args=(vm, plan.work, i * plan.stagger, runs[i], stop),
-                daemon=True,
-            )
-            for i, vm in enumerate(vms)
-        ]
+
+def run_guests(
+    guests: list[Guest],
+    runs: list[GuestRun],
+    controller: Controller | None,
+    levers: "Levers",
+    sampler: Sampler,
+    ctx: RunContext,
+    plan: Plan,
+) -> None:
+    """Every guest's phases in a thread of its own, started `stagger`
+    apart, while the controller (if any) and the sampler run."""
+    stop = threading.Event()
+    threads = [
+        threading.Thread(
+            target=run_phases,
+            args=(guest, plan.work, i * plan.stagger, runs[i], stop),
+            daemon=True,
+        )
+        for i, guest in enumerate(guests)
+    ]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    try:
+        _drive(controller, levers, sampler, threads, started + plan.deadline, ctx, runs)
+    finally:
+        stop.set()
         for thread in threads:
-            thread.start()
-        started = time.monotonic()
-        try:
-            _drive(controller, levers, sampler, threads, started + plan.deadline, ctx, runs)
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join(timeout=30)
-            if controller is not None:
-                controller.backend.close()
+            thread.join(timeout=30)
+        if controller is not None:
+            controller.backend.close()
 
 
-def _collect(vms: list[VM], runs: list[GuestRun], levers: "Levers | None") -> None:
+def collect_final(guests: list[Guest], runs: list[GuestRun], levers: "Levers | None") -> None:
     """The guests' own counters at the end: OOM kills, refaults, stalls,
     and the levers' final positions where a controller moved them."""
-    for vm, run in zip(vms, runs, strict=True):
-        if not vm.alive():
+    for guest, run in zip(guests, runs, strict=True):
+        if not guest.alive():
             continue  # its counters stay None
-        vmstat = guest_vmstat(vm)
+        vmstat = guest_vmstat(guest.agent)
         if vmstat is not None:
             counters = parse_vmstat(vmstat)
             run.oom_kills = counters.get("oom_kill")
             run.file_refaults = counters.get("workingset_refault_file")
-        run.stall_us = guest_stall_us(vm)
+        run.stall_us = guest_stall_us(guest.agent)
         if levers is not None:
-            levers.read_final(vm)
+            levers.read_final(guest)
 
 
 REPORTING = "free page reporting"
@@ -513,12 +536,12 @@ def make_overcommit(opts: BenchOptions, params: dict[str, str], size: int) -> Sc
 DENSITY_ANCHORS = ("reporting", "stock-reclaimer", "proxmox", "mom")
 
 
-def density_targets() -> list[Target]:
+def density_targets(issue: str = "issue 48") -> list[Target]:
     """thinvm fits at least 1.5x the guests of every anchor (a fit counts no
     OOM kill): each anchor's count over thinvm's at most 1/1.5."""
     return [
         Target(
-            f"issue 48: thinvm fits at least 1.5x as many guests as {anchor}, "
+            f"{issue}: thinvm fits at least 1.5x as many guests as {anchor}, "
             "every guest within the bar with 0 OOM kills",
             anchor,
             "thinvm",
@@ -658,12 +681,12 @@ def _sweep_metrics(setup: Setup, per_count: dict[int, Metrics]) -> Metrics:
     return metrics
 
 
-def _reclaim_in_background(vms: list[VM]) -> None:
+def _reclaim_in_background(guests: list[Guest]) -> None:
     """Switch each guest's reclaimer to background mode, as the packaged
     agent runs it by default; a guest whose agent refuses fails the run."""
-    for vm in vms:
-        if guest_trim.set_background(vm.agent, True) is None:
-            raise ThinvmError(f"{vm.config.name}: the guest agent has no reclaimer")
+    for guest in guests:
+        if guest_trim.set_background(guest.agent, True) is None:
+            raise ThinvmError(f"{guest.name}: the guest agent has no reclaimer")
 
 
 def anchor_floor(policy: str | None, wss: int) -> int:
@@ -678,15 +701,25 @@ def _controller(
 ) -> Controller | None:
     if setup.policy is None:
         return None
+    return make_controller(
+        setup.policy, GivenVmsBackend(vms), CgroupBudget(cgroup.path.name), plan, log
+    )
+
+
+def make_controller(
+    policy_name: str, backend: VmBackend, budget: HostSource, plan: "Plan", log: deque[str]
+) -> Controller:
+    """The variant's controller over `backend`'s guests, sharing `budget`:
+    its policy, and the balloon floor its operators set."""
     policy: Policy
-    if setup.policy == "thinvm-eager":
+    if policy_name == "thinvm-eager":
         policy = ThinvmPolicy(ThinvmParams(leave_reported_free=False))
     else:
-        policy = make_policy(setup.policy)
-    floor = anchor_floor(setup.policy, plan.work.wss)
+        policy = make_policy(policy_name)
+    floor = anchor_floor(policy_name, plan.work.wss)
     return Controller(
-        GivenVmsBackend(vms),
-        CgroupBudget(cgroup.path.name),
+        backend,
+        budget,
         policy,
         interval=plan.interval,
         default_limits=lambda memory: VmLimits(min(floor, memory), memory),
@@ -713,13 +746,13 @@ class Levers:
             if sample.reclaimer is not None:
                 self.reclaimers[sample.name] = sample.reclaimer
 
-    def read_final(self, vm: VM) -> None:
+    def read_final(self, guest: Guest) -> None:
         """The reclaimer's counters at the end: the controller reads them
         at most every 30 s, and a pass is about two minutes."""
         with contextlib.suppress(ThinvmError, OSError, ValueError):
-            counters = guest_trim.reclaimer_status(vm.agent, timeout=10.0)
+            counters = guest_trim.reclaimer_status(guest.agent, timeout=10.0)
             if counters is not None:
-                self.reclaimers[vm.config.name] = Reclaimer.from_counters(counters)
+                self.reclaimers[guest.name] = Reclaimer.from_counters(counters)
 
     def metrics(self) -> Metrics:
         last = self.reclaimers.values()
@@ -770,7 +803,7 @@ def _drive(
         time.sleep(0.1)
 
 
-def _metrics(
+def count_metrics(
     setup: Setup,
     count: int,
     runs: list[GuestRun],
