@@ -207,6 +207,14 @@ def domstate(host: Host, name: str) -> str:
         raise
 
 
+def remove(host: Host, name: str) -> None:
+    """Stop and undefine `name` on `host`, whatever state it is in."""
+    if domstate(host, name) == "running":
+        virsh(host, "destroy", name)
+    if domstate(host, name) != "absent":
+        virsh(host, "undefine", name)
+
+
 def find_guest(state: ClusterState, name: str) -> Host:
     """The host where `name` is running."""
     running = [h for h in state.hosts if domstate(h, name) == "running"]

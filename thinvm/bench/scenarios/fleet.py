@@ -262,10 +262,7 @@ def _run_one(
             return _measure(ctx, src, dst, used, plan)
         finally:
             for h in (src, dst):
-                if guest.domstate(h, GUEST) == "running":
-                    virsh(h, "destroy", GUEST)
-                if guest.domstate(h, GUEST) != "absent":
-                    virsh(h, "undefine", GUEST)
+                guest.remove(h, GUEST)
 
     return run
 

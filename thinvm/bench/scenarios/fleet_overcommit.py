@@ -164,14 +164,6 @@ def prepare_guest(h: Host, setup: FleetSetup, name: str) -> oc.Guest:
     )
 
 
-def remove_guests(h: Host, names: list[str]) -> None:
-    for name in names:
-        if guest.domstate(h, name) == "running":
-            virsh(h, "destroy", name)
-        if guest.domstate(h, name) != "absent":
-            virsh(h, "undefine", name)
-
-
 class FleetOvercommit(oc.Overcommit):
     """overcommit's sweep, each count's guests libvirt domains."""
 
@@ -194,7 +186,8 @@ class FleetOvercommit(oc.Overcommit):
             finally:
                 for g in guests:
                     g.agent.close()
-                remove_guests(h, names)
+                for name in names:
+                    guest.remove(h, name)
 
     def _start(
         self, ctx: RunContext, h: Host, setup: FleetSetup, names: list[str]

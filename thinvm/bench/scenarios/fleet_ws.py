@@ -371,10 +371,7 @@ def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -
 def _clean(state: ClusterState, hosts: tuple[Host, ...]) -> None:
     for h in hosts:
         for name in GUESTS:
-            if guest.domstate(h, name) == "running":
-                virsh(h, "destroy", name)
-            if guest.domstate(h, name) != "absent":
-                virsh(h, "undefine", name)
+            guest.remove(h, name)
 
 
 def _run_one(
