@@ -706,27 +706,28 @@ def test_save_restore_chooses_stock_best_among_every_stock_way_to_save() -> None
     assert all(t.at_most == 0.2 and t.reference == "stock-best" for t in scenario.targets)
 
 
-def test_migrate_compress_compares_zstd_with_none_on_both_stacks_at_the_same_cap() -> None:
+STOCK_NAMES = [c.name for c in common.STOCK_CANDIDATES]
+
+
+def test_migrate_compress_chooses_stock_best_among_every_stock_configuration() -> None:
+    """Issue 48: stock-best is the best of every stock configuration at each
+    cap, stock's multifd with compression among them; compression is
+    compared with none on the same stack."""
     scenario = bench_scenarios.get("migrate-compress").build(BenchOptions())
     names = [v.name for v in scenario.variants]
-    assert names == [
-        "stock-best",
-        "thinvm",
-        "stock-best-zstd",
-        "thinvm-zstd",
-        "stock-best-1gbit",
-        "thinvm-1gbit",
-        "stock-best-zstd-1gbit",
-        "thinvm-zstd-1gbit",
+    uncapped = [*STOCK_NAMES, "stock-zstd", "thinvm", "thinvm-zstd"]
+    assert names == uncapped + [f"{name}-1gbit" for name in uncapped]
+    assert [(b.name, b.candidates) for b in scenario.best] == [
+        ("stock-best", (*STOCK_NAMES, "stock-zstd")),
+        ("stock-best-1gbit", tuple(f"{n}-1gbit" for n in (*STOCK_NAMES, "stock-zstd"))),
     ]
     assert scenario.baseline_name == "stock-best"
-    assert scenario.references == {
-        "stock-best-zstd": "stock-best",
-        "thinvm-zstd": "thinvm",
-        "thinvm-1gbit": "stock-best-1gbit",
-        "stock-best-zstd-1gbit": "stock-best-1gbit",
-        "thinvm-zstd-1gbit": "thinvm-1gbit",
-    }
+    refs = scenario.references
+    assert refs["stock-zstd"] == "stock-mfd2" and refs["thinvm-zstd"] == "thinvm"
+    assert refs["legacy"] == "stock-best" and refs["legacy-1gbit"] == "stock-best-1gbit"
+    assert refs["thinvm-1gbit"] == "stock-best-1gbit"
+    assert refs["stock-zstd-1gbit"] == "stock-mfd2-1gbit"
+    assert "thinvm" not in refs  # against the baseline, stock-best
     assert scenario.params["size"] == "16.00 GiB"
     assert scenario.params["used"] == "512.00 MiB"
     assert scenario.params["compression"] == "zstd"
@@ -734,33 +735,30 @@ def test_migrate_compress_compares_zstd_with_none_on_both_stacks_at_the_same_cap
     assert "rate" not in scenario.params
 
 
-def test_migrate_compress_keeps_the_zlib_rows() -> None:
-    options = BenchOptions(params={"compression": "zlib"})
+def test_migrate_compress_names_the_zlib_rows() -> None:
+    options = BenchOptions(params={"compression": "zlib", "cap_mbps": "0"})
     names = [v.name for v in bench_scenarios.get("migrate-compress").build(options).variants]
-    # The rows of the zlib record (2026-11-22) and stock-best with zlib.
-    assert names == [
-        "stock-best",
-        "thinvm",
-        "stock-best-zlib",
-        "thinvm-zlib",
-        "stock-best-1gbit",
-        "thinvm-1gbit",
-        "stock-best-zlib-1gbit",
-        "thinvm-zlib-1gbit",
-    ]
+    assert names == [*STOCK_NAMES, "stock-zlib", "thinvm", "thinvm-zlib"]
 
 
 def test_migrate_compress_over_veth_at_10gbit_without_a_cap() -> None:
     options = BenchOptions(net="veth", params={"cap_mbps": "0"})
     scenario = bench_scenarios.get("migrate-compress").build(options)
     assert [v.name for v in scenario.variants] == [
-        "stock-best",
+        *STOCK_NAMES,
+        "stock-zstd",
         "thinvm",
-        "stock-best-zstd",
         "thinvm-zstd",
     ]
     assert all("over a 10gbit veth link" in v.description for v in scenario.variants)
     assert (scenario.params["net"], scenario.params["rate"]) == ("veth", "10gbit")
+
+
+def test_compress_rows_carry_their_method_and_cap() -> None:
+    (zstd,) = [c for c in scale.compress_candidates("zstd") if c.name == "stock-zstd"]
+    assert zstd.params == {"multifd-compression": "zstd"} and zstd.stack.multifd
+    assert scale.compress_variant_name("thinvm", "zlib", None) == "thinvm-zlib"
+    assert scale.compress_variant_name("stock", "zstd", "1gbit") == "stock-zstd-1gbit"
 
 
 def test_compress_params_model_the_link_in_bytes_per_second() -> None:
@@ -778,16 +776,6 @@ def test_compress_params_model_the_link_in_bytes_per_second() -> None:
     assert scale.link_name(400) == "400mbit"
     with pytest.raises(ThinvmError, match="choose one of none, zlib, zstd"):
         scale.compress_params("qpl", None)
-
-
-def test_compress_rows_name_method_then_link() -> None:
-    assert scale.compress_rows("zstd", "10gbit") == [
-        ("stock-best-10gbit", "stock-best", "none", None),
-        ("thinvm-10gbit", "thinvm", "none", "stock-best-10gbit"),
-        ("stock-best-zstd-10gbit", "stock-best", "zstd", "stock-best-10gbit"),
-        ("thinvm-zstd-10gbit", "thinvm", "zstd", "thinvm-10gbit"),
-    ]
-    assert scale.compress_variant_name("thinvm", "zlib", None) == "thinvm-zlib"
 
 
 @pytest.mark.parametrize(

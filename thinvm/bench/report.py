@@ -499,8 +499,9 @@ recorded result follows these rules (issue 19):
   stock-best is chosen among the same stock configurations and stock's
   postcopy, save-restore's among every stock way to save (mapped-ram over
   two or one multifd channels, with or without hinting, one stream, the
-  plain stream) by save + restore time; migrate-compress still compares
-  compression with none on fixed stacks, as its description says.
+  plain stream) by save + restore time, migrate-compress's among the same
+  stock configurations and stock's multifd with compression, at each cap
+  (records before 2026-11-29 compared fixed stacks).
 - **The lab host's price for memory.** During each migration a probe
   faults 16 MiB of fresh memory in every second (thinvm.bench.hostcost):
   `host_fault_s_per_gib` (median) and `host_fault_max_s_per_gib` say what

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from thinvm.bench.scenarios.common import (
+    STOCK_CANDIDATES,
     Candidate,
     fits_reserved,
     migration_rows,
@@ -220,23 +221,29 @@ def compress_params(compression: str, cap_mbps: int | None) -> dict[str, Any]:
 
 
 def compress_variant_name(stack: str, method: str, link: str | None) -> str:
-    """'thinvm', 'stock-best-zstd', 'thinvm-zlib-1gbit': stack, method unless
+    """'thinvm', 'stock-zstd', 'thinvm-zlib-1gbit': stack, method unless
     none, the link a cap models if capped."""
     return stack + (f"-{method}" if method != "none" else "") + (f"-{link}" if link else "")
 
 
-def compress_rows(compression: str, link: str | None) -> list[tuple[str, str, str, str | None]]:
-    """migrate-compress's rows at one cap (none: uncapped), in order, as
-    (name, stack, method, reference): compression against none on the same
-    stack, thinvm against stock-best, all at the same cap (the uncapped
-    stock-best is the baseline)."""
-    best, thinvm = (compress_variant_name(s, "none", link) for s in ("stock-best", "thinvm"))
-    return [
-        (best, "stock-best", "none", None),
-        (thinvm, "thinvm", "none", best if link else None),
-        (compress_variant_name("stock-best", compression, link), "stock-best", compression, best),
-        (compress_variant_name("thinvm", compression, link), "thinvm", compression, thinvm),
-    ]
+STOCK_MULTIFD = "stock-mfd2"  # the stock candidate compression is set on
+
+
+def compress_candidates(compression: str) -> list[Candidate]:
+    """stock-best's candidates (issue 48): every stock configuration the
+    migration scenarios measure, and stock's multifd (2 channels) with
+    `compression`, which is a stock configuration too."""
+    compressed = Candidate(
+        compress_variant_name("stock", compression, None),
+        STOCK_BEST,
+        f"stock QEMU and driver; reporting, multifd (2 channels), "
+        f"multifd-compression={compression}",
+        {"multifd-compression": compression},
+    )
+    return [*STOCK_CANDIDATES, compressed]
+
+
+THINVM_TEXT = "patched QEMU, our driver; reporting + page ranges, sparse-ram, multifd (2 channels)"
 
 
 @dataclass(frozen=True)
@@ -250,44 +257,66 @@ class CompressRun:
     cap: int  # Mbit/s of the capped rows
     transport: Transport
 
-    def of(self, stack: Stack, method: str, capped: bool) -> Callable[[RunContext], Metrics]:
-        extra = compress_params(method, self.cap if capped else None)
+    def of(self, candidate: Candidate, capped: bool) -> Callable[[RunContext], Metrics]:
+        method = candidate.params.get("multifd-compression", "none")
+        extra = {**candidate.params, **compress_params(method, self.cap if capped else None)}
         return fresh_guest_migration(
-            self.opts, self.size, stack, self.transport, used=self.used, idle=self.idle,
-            params=extra,
+            self.opts, self.size, candidate.stack, self.transport, used=self.used,
+            idle=self.idle, params=extra,
         )  # fmt: skip
 
 
-# Compression against none on fixed stacks: what pays is the question
-# here, not which stock configuration is best.
-COMPRESS_STACKS = {
-    "stock-best": (STOCK_BEST, "stock QEMU and driver; reporting, multifd (2 channels)"),
-    "thinvm": (
+def compress_rows(
+    run: CompressRun, compression: str, link: str | None, where: str
+) -> tuple[list[Variant], Best]:
+    """migrate-compress's rows at one cap (link None: uncapped): every stock
+    candidate, stock-best chosen among them, thinvm with and without
+    `compression`.  Compression is compared with none on the same stack,
+    thinvm with stock-best at the same cap."""
+    suffix = f"-{link}" if link else ""
+    best = f"stock-best{suffix}"
+    capped = link is not None
+    compressed = compress_variant_name("stock", compression, None)
+    variants = [
+        Variant(
+            c.name + suffix,
+            run.of(c, capped),
+            f"{c.description}; {where}",
+            reference=STOCK_MULTIFD + suffix if c.name == compressed else best,
+        )
+        for c in compress_candidates(compression)
+    ]
+    chosen = Best(
+        best,
+        tuple(v.name for v in variants),
+        f"the best stock configuration measured; {where}",
+    )
+    thinvm = Candidate("thinvm", THINVM, THINVM_TEXT)
+    thinvm_compressed = Candidate(
+        compress_variant_name("thinvm", compression, None),
         THINVM,
-        "patched QEMU, our driver; reporting + page ranges, sparse-ram, multifd (2 channels)",
-    ),
-}
+        f"{THINVM_TEXT}, multifd-compression={compression}",
+        {"multifd-compression": compression},
+    )
+    variants += [
+        Variant("thinvm" + suffix, run.of(thinvm, capped), f"{thinvm.description}; {where}",
+                reference=best if capped else None),
+        Variant(thinvm_compressed.name + suffix, run.of(thinvm_compressed, capped),
+                f"{thinvm_compressed.description}; {where}", reference="thinvm" + suffix),
+    ]  # fmt: skip
+    return variants, chosen
 
 
 def compress_variants(
     run: CompressRun, compression: str, link: str | None, uncapped: str
-) -> list[Variant]:
-    """Every stack with and without compression, uncapped and, with a
-    link, capped to it."""
-    variants = []
-    for capped in (False, True) if link else (False,):
-        where = f"max-bandwidth {run.cap} Mbit/s ({link} link)" if capped else uncapped
-        for row, stack, method, reference in compress_rows(compression, link if capped else None):
-            how = "no compression" if method == "none" else f"multifd-compression={method}"
-            variants.append(
-                Variant(
-                    row,
-                    run.of(COMPRESS_STACKS[stack][0], method, capped),
-                    f"{COMPRESS_STACKS[stack][1]}; {how}; {where}",
-                    reference=reference,
-                )
-            )
-    return variants
+) -> tuple[list[Variant], list[Best]]:
+    """The rows uncapped and, with a link, capped to it."""
+    variants, best = compress_rows(run, compression, None, uncapped)
+    if link is None:
+        return variants, [best]
+    where = f"max-bandwidth {run.cap} Mbit/s ({link} link)"
+    capped, capped_best = compress_rows(run, compression, link, where)
+    return variants + capped, [best, capped_best]
 
 
 def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -309,7 +338,7 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
     uncapped = f"over a {rate} veth link" if opts.net == "veth" else "uncapped over loopback"
 
     run = CompressRun(opts, size, used, idle, cap, transport)
-    variants = compress_variants(run, compression, link, uncapped)
+    variants, best = compress_variants(run, compression, link, uncapped)
     capped_text = (
         f" and with `max-bandwidth` {cap * 1_000_000 // 8:,} B/s (a {link} link)" if link else ""
     )
@@ -326,13 +355,19 @@ def make_migrate_compress(opts: BenchOptions, params: dict[str, str], size: int)
             "same pages and reads the untouched rest as zero pages, which multifd "
             "finds before it compresses. Both stacks migrate with "
             f"`multifd-compression` none and {compression} (both sides, 2 channels, "
-            f"QEMU's default level), {uncapped}{capped_text}; {compression} is compared with "
-            "none on the same stack at the same cap, thinvm with stock-best at the same "
-            "cap. Payload is the normal pages sent times 4 KiB, what the pages held "
-            "before compression; bytes sent is what went over the wire; the CPU columns "
-            "show what compressing and decompressing cost the two QEMUs."
+            f"QEMU's default level) and stock also in its other configurations, "
+            f"{uncapped}{capped_text}. At each cap stock-best is the "
+            "stock configuration with the lowest median migration time among those the "
+            f"migration scenarios measure and stock's multifd with {compression}; "
+            f"{compression} is compared with none on the same stack (stock-{compression} "
+            f"with {STOCK_MULTIFD}), thinvm with stock-best at the same cap. Payload is "
+            "the normal pages sent times 4 KiB, what the pages held before compression; "
+            "bytes sent is what went over the wire; the CPU columns show what "
+            "compressing and decompressing cost the two QEMUs."
         ),
         variants=variants,
+        best=best,
+        baseline="stock-best",
         main_metric="migration_ms",
         second_metric="transferred_bytes",
         params={
