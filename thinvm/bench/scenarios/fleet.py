@@ -91,6 +91,11 @@ CLUSTERS = {
         Path("/var/lib/thinvm/bench-pkg"), hosts=4, packaged=True, stock=("h3", "h4"),
         systemd=True,
     ),
+    # fleet-overcommit: one host per QEMU, h1 thinvm-qemu, h2 Debian's.
+    "packaged-density": ClusterKind(
+        Path("/var/lib/thinvm/bench-pkd"), hosts=2, packaged=True, stock=("h2",),
+        systemd=True,
+    ),
 }  # fmt: skip
 # Packaged hosts by the QEMU they run guests on (ClusterKind "packaged").
 PACKAGED_HOSTS = {"patched": ("h1", "h2"), "stock": ("h3", "h4")}

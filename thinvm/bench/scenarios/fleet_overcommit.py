@@ -28,7 +28,7 @@ from thinvm.balance.backends import CgroupBudget, LibvirtBackend
 from thinvm.bench.probe import MemoryCgroup
 from thinvm.bench.scenarios import fleet as fleet_bench
 from thinvm.bench.scenarios import overcommit as oc
-from thinvm.bench.scenarios.fleet import ClusterKind, FleetRun
+from thinvm.bench.scenarios.fleet import FleetRun
 from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
@@ -38,15 +38,11 @@ from thinvm.guest import image as guest_image
 from thinvm.guest import workload as guest_workload
 from thinvm.guest.trim import set_background
 from thinvm.host.cgroups import CGROUP_FS
+from thinvm.units import MiB
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 NAME = "fleet-overcommit"
-CLUSTER = "packaged-density"
-# A short root: the agent sockets lie deep in a packaged host's root, and
-# a unix socket's path must fit in 107 bytes.
-fleet_bench.CLUSTERS[CLUSTER] = ClusterKind(
-    Path("/var/lib/thinvm/bench-pkd"), hosts=2, packaged=True, stock=("h2",), systemd=True
-)
+CLUSTER = "packaged-density"  # a key of fleet_bench.CLUSTERS
 HOST_OF_BUILD = {"patched": "h1", "stock": "h2"}
 # "bench-": the quiet gate tells the harness's own libvirt guests by it.
 GUEST_PREFIX = "bench-oc-"
@@ -245,7 +241,7 @@ class FleetOvercommit(oc.Overcommit):
             shared = cluster.shared_dir(Path(h.root).parent.parent)
             path = shared / SCRATCH_IMAGE
             path.unlink(missing_ok=True)
-            guest_workload.scratch_disk(path, max(self.plan.work.disk_size, 1 << 20))
+            guest_workload.scratch_disk(path, max(self.plan.work.disk_size, MiB))
             fleet_bench.clusters.hold(_removed_after(path))
             self.disk = path
         return self.disk
