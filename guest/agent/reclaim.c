@@ -115,7 +115,16 @@ struct reclaimer {
 	char error[160];
 	unsigned long epoch;	/* bumped by every trim */
 	uint64_t last_refaults;	/* to count refaults seen while active */
-	uint64_t learned_floor;	/* background: see learn(); 0 if none */
+	/*
+	 * The floors every reclaim keeps to, the background's steps and
+	 * trims alike: a trim that read its floor afresh followed the active
+	 * list its predecessor had just deactivated, and the next trim went
+	 * lower again (see held_floor()).
+	 */
+	uint64_t held_floor;	/* see held_floor(); 0: read afresh */
+	long long held_us;	/* when it was last read afresh */
+	uint64_t learned_floor;	/* see learn(); 0 if none */
+	long long learned_us;	/* when learned_floor was last raised */
 	struct counters c;
 	pthread_t thread;	/* the background thread, if have_thread */
 	bool have_thread;
@@ -333,26 +342,36 @@ static uint64_t floor_bytes(const struct meminfo *m)
 }
 
 /*
- * The floor a reclaim run keeps to: the highest seen since it started.
+ * The floor reclaim keeps to: the highest seen since it was last read
+ * afresh (see renew_floor()), by any trim or background step.
  * Reclaiming deactivates part of the active file list (the classic LRU
  * refills a short inactive list from it, and any refault makes it do
  * so), which lowers Active(file) and with it floor_bytes(): a floor
  * read afresh before every step follows the kernel down into the hot
  * set it is there to protect (seen on 6.1: a trim of a guest that had
- * read a large data set once took half of its hot subset).
+ * read a large data set once took half of its hot subset; and when
+ * each trim read it afresh, a host asking for a trim every second
+ * walked its guests' hot files down the same way, fleet-overcommit
+ * 2026-11-29).
  */
-static uint64_t held_floor(uint64_t *held, const struct meminfo *m)
+static uint64_t held_floor(const struct meminfo *m)
 {
 	uint64_t floor = floor_bytes(m);
 
-	if (floor > *held)
-		*held = floor;
-	return *held;
+	if (floor > rc.held_floor)
+		rc.held_floor = floor;
+	return rc.held_floor;
 }
 
-static uint64_t room(uint64_t *held, const struct meminfo *m)
+/* The page cache a step must leave: the held floor and the learned one. */
+static uint64_t kept_floor(const struct meminfo *m)
 {
-	uint64_t floor = held_floor(held, m);
+	return held_floor(m) + rc.learned_floor;
+}
+
+static uint64_t room(const struct meminfo *m)
+{
+	uint64_t floor = kept_floor(m);
 
 	return m->file_lru > floor ? m->file_lru - floor : 0;
 }
@@ -515,16 +534,13 @@ struct bg_state {
 	struct sample prev, quiet;
 	long long backoff_ms;
 	uint64_t since_compact;
-	uint64_t floor;		/* held floor, see held_floor() */
-	long long floor_us;	/* when it was last read afresh */
-	long long learned_us;	/* when rc.learned_floor was last raised */
 };
 
 /*
- * Refaults after our steps mean we reclaimed into the working set: what
- * came back is in use, and the active list may not show it (MGLRU keeps
- * page cache read through read() out of it, and our own steps deactivate
- * it).  It is added to the floor, up to the page cache there is, and
+ * Refaults after our steps (a background tick's or a trim's) mean we
+ * reclaimed into the working set: what came back is in use, and the
+ * active list may not show it (MGLRU keeps page cache read through
+ * read() out of it, and our own steps deactivate it).  It is added to the floor, up to the page cache there is, and
  * kept for longer than a floor read from the lists: every further
  * back-off for refaults adds to it and renews it, and it lapses when
  * nothing refaulted for BG_LEARNED_HOLD_MS, so a working set that shrank
@@ -532,8 +548,7 @@ struct bg_state {
  * as it stood: refaults of a hot set while a large file is read once
  * would otherwise make that whole file a floor.
  */
-static void learn(struct bg_state *st, const struct sample *prev,
-		  const struct sample *now)
+static void learn(const struct sample *prev, const struct sample *now)
 {
 	struct meminfo m;
 
@@ -542,29 +557,20 @@ static void learn(struct bg_state *st, const struct sample *prev,
 	rc.learned_floor += (now->refaults - prev->refaults) * PAGE_BYTES;
 	if (rc.learned_floor > m.file_lru)
 		rc.learned_floor = m.file_lru;
-	st->learned_us = now->t_us;
+	rc.learned_us = now->t_us;
 }
 
 /* Let the held floor, and the learned one, lapse when their time is up. */
-static void renew_floor(struct bg_state *st, long long t_us)
+static void renew_floor(long long t_us)
 {
-	if (t_us - st->floor_us > BG_FLOOR_HOLD_MS * 1000LL) {
+	if (t_us - rc.held_us > BG_FLOOR_HOLD_MS * 1000LL) {
 		/* A hot set may also cool down: do not hold it for ever. */
-		st->floor = 0;
-		st->floor_us = t_us;
+		rc.held_floor = 0;
+		rc.held_us = t_us;
 	}
 	if (rc.learned_floor &&
-	    t_us - st->learned_us > BG_LEARNED_HOLD_MS * 1000LL)
+	    t_us - rc.learned_us > BG_LEARNED_HOLD_MS * 1000LL)
 		rc.learned_floor = 0;
-}
-
-/* What a background step may take: room() above the learned floor too. */
-static uint64_t bg_room(struct bg_state *st, const struct meminfo *m)
-{
-	uint64_t above_floor = room(&st->floor, m);
-
-	return above_floor > rc.learned_floor ?
-	       above_floor - rc.learned_floor : 0;
 }
 
 /* One background tick with rc.lock held; returns how long to wait. */
@@ -582,15 +588,13 @@ static long long background_tick(struct bg_state *st)
 		st->quiet = st->prev;
 		st->epoch = rc.epoch;
 		st->fresh = false;
-		st->floor = 0;
-		st->floor_us = st->prev.t_us;
 		return BG_TICK_MS;
 	}
 	take_sample(&now, true);
 	why = pressure(&st->prev, &st->quiet, &now);
 	if (why) {
 		if (!strcmp(why, "refaults"))
-			learn(st, &st->prev, &now);
+			learn(&st->prev, &now);
 		rc.c.backoffs++;
 		st->backoff_ms = st->backoff_ms ?
 			st->backoff_ms * 2 : BG_BACKOFF_MIN_MS;
@@ -601,8 +605,8 @@ static long long background_tick(struct bg_state *st)
 	}
 	st->backoff_ms = 0;
 	st->prev = now;
-	renew_floor(st, now.t_us);
-	if (read_meminfo(&m) || bg_room(st, &m) < STEP_MIN) {
+	renew_floor(now.t_us);
+	if (read_meminfo(&m) || room(&m) < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
 		take_sample(&st->quiet, true);
@@ -612,8 +616,8 @@ static long long background_tick(struct bg_state *st)
 	step = m.total / BG_STEP_DIV;
 	if (step < STEP_MIN)
 		step = STEP_MIN;
-	if (step > bg_room(st, &m))
-		step = bg_room(st, &m);
+	if (step > room(&m))
+		step = room(&m);
 	cpu = thread_cpu_us();
 	got = reclaim_bytes(step);
 	st->since_compact += got;
@@ -735,7 +739,6 @@ struct trim {
 	uint64_t steps;
 	uint64_t backoffs;
 	uint64_t refaults_before;
-	uint64_t floor;		/* held floor, see held_floor() */
 	const char *stop;
 };
 
@@ -775,12 +778,14 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 			t->stop = "max_bytes";
 			return;
 		}
-		if (read_meminfo(&m) || room(&t->floor, &m) < STEP_MIN) {
+		if (read_meminfo(&m) || room(&m) < STEP_MIN) {
 			t->stop = "floor";
 			return;
 		}
 		take_sample(&now, true);
 		why = pressure(&prev, &quiet, &now);
+		if (why && !strcmp(why, "refaults"))
+			learn(&prev, &now);
 		prev = now;
 		if (why) {
 			t->backoffs++;
@@ -795,7 +800,7 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 			continue;
 		}
 		in_row = 0;
-		step = room(&t->floor, &m);
+		step = room(&m);
 		if (step > step_max)
 			step = step_max;
 		if (t->max_bytes && step > t->max_bytes - t->reclaimed)
@@ -842,6 +847,7 @@ int reclaim_trim(uint64_t max_bytes, unsigned int timeout_ms, char *out,
 	rc.epoch++;
 	rc.c.trims++;
 	t.deadline_us = start + timeout_ms * 1000LL;
+	renew_floor(start);
 	read_meminfo(&before);
 	step = before.total / TRIM_STEP_DIV;
 	if (step < STEP_MIN)
@@ -867,7 +873,7 @@ int reclaim_trim(uint64_t max_bytes, unsigned int timeout_ms, char *out,
 			end.refaults - t.refaults_before : 0,
 		compacted ? "true" : "false", reported ? "true" : "false",
 		reclaim_ms, t.stop,
-		(mono_us() - start) / 1000, held_floor(&t.floor, &after),
+		(mono_us() - start) / 1000, kept_floor(&after),
 		before.cached, after.cached, before.free, after.free);
 	if (n > 0 && (size_t)n < size)
 		n += status_members(out + n, size - n);
