@@ -58,16 +58,14 @@ def run(peer: Peer) -> None:
     check("overlong", peer.line(), b"ERR unknown")
     check("resync", peer.line(), b"PONG after-long")
 
-    check("exit", peer.exec(b"echo out; echo err >&2; exit 3"),
-          (3, b"out\n", b"err\n"))
+    check("exit", peer.exec(b"echo out; echo err >&2; exit 3"), (3, b"out\n", b"err\n"))
     check("empty", peer.exec(b""), (0, b"", b""))
     check("signal", peer.exec(b"kill -9 $$"), (137, b"", b""))
     check("stdin", peer.exec(b"cat"), (0, b"", b""))
     check("binary", peer.exec(b"printf 'a\\000b\\nc'"), (0, b"a\0b\nc", b""))
 
     # Both pipes far beyond their capacity at once: needs the poll loop.
-    status, out, err = peer.exec(
-        b"head -c 3000000 /dev/zero & head -c 2000000 /dev/zero >&2; wait")
+    status, out, err = peer.exec(b"head -c 3000000 /dev/zero & head -c 2000000 /dev/zero >&2; wait")
     check("big", (status, len(out), len(err)), (0, 3000000, 2000000))
 
     # Header and payload in separate, delayed writes.
@@ -80,8 +78,7 @@ def run(peer: Peer) -> None:
 
     # A detached background job does not hold the reply back.
     start = time.monotonic()
-    check("background", peer.exec(b"sleep 3 >/dev/null 2>&1 &"),
-          (0, b"", b""))
+    check("background", peer.exec(b"sleep 3 >/dev/null 2>&1 &"), (0, b"", b""))
     check("background fast", time.monotonic() - start < 2, True)
 
     # The reclaimer's requests.  Nothing here reclaims: this runs on the
@@ -93,9 +90,12 @@ def run(peer: Peer) -> None:
         return json.loads(peer.exactly(int(length)))
 
     status = reclaim_json(b"RECLAIM status\n")
-    check("status keys", {"available", "background", "reclaimed_bytes",
-                          "backoffs", "refault_pages", "compactions"}
-          <= status.keys(), True)
+    check(
+        "status keys",
+        {"available", "background", "reclaimed_bytes", "backoffs", "refault_pages", "compactions"}
+        <= status.keys(),
+        True,
+    )
     check("background off", status["background"], False)
     # The background thread exists even while its mode is off.
     check("thread cpu", isinstance(status.get("thread_cpu_ms"), int), True)
@@ -112,9 +112,11 @@ def run(peer: Peer) -> None:
 def main() -> None:
     agent_path = sys.argv[1]
     host, guest = socket.socketpair()
-    proc = subprocess.Popen([agent_path, "--fd", str(guest.fileno())],
-                            pass_fds=[guest.fileno()],
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [agent_path, "--fd", str(guest.fileno())],
+        pass_fds=[guest.fileno()],
+        stderr=subprocess.DEVNULL,
+    )
     guest.close()
     host.settimeout(30)
     try:
