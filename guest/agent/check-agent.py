@@ -99,6 +99,7 @@ def run(peer: Peer) -> None:
     check("background off", status["background"], False)
     # The background thread exists even while its mode is off.
     check("thread cpu", isinstance(status.get("thread_cpu_ms"), int), True)
+    check("freed reports", status.get("freed_reports"), 0)
     trim = reclaim_json(b"TRIM 0 0\n")
     check("trim 0 0", trim.get("reclaimed_bytes_trim", 0), 0)
     peer.send(b"TRIM 1\nTRIM -1 5\nTRIM 1 5x\nRECLAIM maybe\n")

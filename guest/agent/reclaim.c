@@ -61,6 +61,15 @@
 #define BG_FLOOR_HOLD_MS	60000	/* then the working set is read afresh */
 #define BG_LEARNED_HOLD_MS	600000	/* a floor refaults taught us, see learn() */
 
+/*
+ * Memory freed in one go reaches the host at once (report_freed()): the
+ * background thread looks at MemFree this often, and a rise of at least
+ * the larger of these since its last look is reported now.
+ */
+#define FREED_LOOK_MS		1000
+#define FREED_MIN		(64 * MiB)
+#define FREED_TOTAL_DIV		32	/* 1/32 of MemTotal */
+
 /* On demand the host is waiting: larger steps, a 50% duty cycle. */
 #define TRIM_STEP_DIV		32
 #define TRIM_GAP_MS		100
@@ -103,6 +112,7 @@ struct counters {
 	uint64_t compactions;
 	uint64_t trims;
 	uint64_t cpu_us;
+	uint64_t freed_reports;	/* report_now writes by report_freed() */
 };
 
 struct reclaimer {
@@ -529,6 +539,8 @@ static void wait_locked(long long ms)
 }
 
 struct bg_state {
+	long long next_tick_us;	/* when background_tick() runs next */
+	uint64_t last_free;	/* MemFree at the last look; 0: none yet */
 	unsigned long epoch;
 	bool fresh;		/* no samples yet: next tick only measures */
 	struct sample prev, quiet;
@@ -630,6 +642,37 @@ static long long background_tick(struct bg_state *st)
 	return duty_sleep_ms(cpu, BG_DUTY_PCT, BG_TICK_MS);
 }
 
+/*
+ * Have memory the guest just freed in one go (a process that exited, a
+ * cache dropped) reported now.  The kernel reports free pages at its own
+ * pace, a sixteenth of each free list every 2 s, about 30 s for a large
+ * free; meanwhile the host still holds that memory, and a host that
+ * overcommits swaps other guest memory out for it.  Only large rises
+ * count, so memory freed in passing is left to the kernel's pace; the
+ * passes themselves are the kernel's, run sooner, not more of them.
+ * Without our driver (no report_now) this does nothing.
+ */
+static void report_freed(struct bg_state *st)
+{
+	struct meminfo m;
+	uint64_t min;
+	bool reported;
+
+	if (read_meminfo(&m))
+		return;
+	min = m.total / FREED_TOTAL_DIV > FREED_MIN ?
+	      m.total / FREED_TOTAL_DIV : FREED_MIN;
+	if (st->last_free && m.free >= st->last_free + min) {
+		/* The passes take a while: let a TRIM or STATUS through. */
+		pthread_mutex_unlock(&rc.lock);
+		reported = report_now();
+		pthread_mutex_lock(&rc.lock);
+		if (reported)
+			rc.c.freed_reports++;
+	}
+	st->last_free = m.free;
+}
+
 static void *background_main(void *unused)
 {
 	struct bg_state st = { .fresh = true };
@@ -640,6 +683,8 @@ static void *background_main(void *unused)
 	for (;;) {
 		while (!rc.background) {
 			st.fresh = true;
+			st.next_tick_us = 0;
+			st.last_free = 0;
 			pthread_cond_wait(&rc.cond, &rc.lock);
 		}
 		probe();
@@ -647,8 +692,15 @@ static void *background_main(void *unused)
 			wait_locked(BG_IDLE_MS);
 			continue;
 		}
-		wait_ms = background_tick(&st);
-		wait_locked(wait_ms);
+		if (mono_us() >= st.next_tick_us) {
+			wait_ms = background_tick(&st);
+			st.next_tick_us = mono_us() + wait_ms * 1000LL;
+		}
+		report_freed(&st);
+		wait_ms = (st.next_tick_us - mono_us()) / 1000;
+		if (wait_ms > FREED_LOOK_MS)
+			wait_ms = FREED_LOOK_MS;
+		wait_locked(wait_ms > 0 ? wait_ms : 1);
 	}
 	return NULL;
 }
@@ -689,7 +741,8 @@ static int status_members(char *out, size_t size)
 		",\"refault_pages\":%" PRIu64 ",\"compactions\":%" PRIu64
 		",\"trims\":%" PRIu64 ",\"cpu_ms\":%" PRIu64
 		",\"learned_floor_bytes\":%" PRIu64
-		",\"thread_cpu_ms\":%" PRIu64,
+		",\"thread_cpu_ms\":%" PRIu64
+		",\"freed_reports\":%" PRIu64,
 		rc.available ? "true" : "false",
 		rc.background ? "true" : "false",
 		rc.psi ? "true" : "false", lru_gen_enabled() ? "true" : "false",
@@ -697,7 +750,7 @@ static int status_members(char *out, size_t size)
 		rc.c.reclaimed_bytes, rc.c.steps, rc.c.backoffs,
 		rc.c.refault_pages, rc.c.compactions, rc.c.trims,
 		rc.c.cpu_us / 1000, rc.learned_floor,
-		background_thread_cpu_ms());
+		background_thread_cpu_ms(), rc.c.freed_reports);
 }
 
 static int status_locked(char *out, size_t size)

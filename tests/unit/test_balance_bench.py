@@ -150,7 +150,12 @@ def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
 
     def report(trim: int | None, reason: str, reclaimed: int, refaults: int) -> CycleReport:
         rec = Reclaimer(
-            True, True, reclaimed_bytes=reclaimed, refault_pages=refaults, cpu_ms=refaults
+            True,
+            True,
+            reclaimed_bytes=reclaimed,
+            refault_pages=refaults,
+            cpu_ms=refaults,
+            freed_reports=refaults // 100,
         )
         sample = VmSample("a", 1024 * MiB, 1024 * MiB, None, reporting=True, reclaimer=rec)
         return CycleReport(1, host, [sample], [Decision("a", None, reason, trim=trim)], 0)
@@ -166,14 +171,21 @@ def test_levers_count_trims_and_keep_the_last_reclaimer_counters() -> None:
         "reclaimer_refault_pages": 2148,
         "reclaimer_cpu_s": 2.148,
         "reclaimer_compactions": 0,
+        "reclaimer_freed_reports": 21,
         "controller_cpu_s": 0.0,
     }
 
 
 def test_reclaimer_counters_carry_what_reclaiming_cost() -> None:
-    counters = {"available": True, "background": True, "cpu_ms": 2300, "compactions": 7}
+    counters = {
+        "available": True,
+        "background": True,
+        "cpu_ms": 2300,
+        "compactions": 7,
+        "freed_reports": 3,
+    }
     rec = Reclaimer.from_counters(counters)
-    assert (rec.cpu_ms, rec.compactions, rec.cache_floor) == (2300, 7, 0)
+    assert (rec.cpu_ms, rec.compactions, rec.freed_reports, rec.cache_floor) == (2300, 7, 3, 0)
     assert Reclaimer.from_counters({}) == Reclaimer(False, False)
 
 

@@ -236,6 +236,9 @@ class Reclaimer:
     refault_pages: int = 0
     compactions: int = 0
     cpu_ms: int = 0  # guest CPU its steps and compactions took
+    # Times the background thread had memory freed in one go reported at
+    # once (0 without our balloon driver, or from an older agent).
+    freed_reports: int = 0
     # The page cache a recent trim could not take (the agent's floor, which
     # counts the active file list the balloon statistics do not carry, or
     # what was left when refaults, pressure or no progress stopped it); 0
@@ -260,6 +263,7 @@ class Reclaimer:
             refault_pages=count("refault_pages"),
             compactions=count("compactions"),
             cpu_ms=count("cpu_ms"),
+            freed_reports=count("freed_reports"),
         )
 
 

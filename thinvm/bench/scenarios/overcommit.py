@@ -767,6 +767,8 @@ class Levers:
             # workload did not get (steps and compactions, as counted last).
             "reclaimer_cpu_s": sum(r.cpu_ms for r in last) / 1000,
             "reclaimer_compactions": sum(r.compactions for r in last),
+            # Large frees the guests had reported at once (our driver only).
+            "reclaimer_freed_reports": sum(r.freed_reports for r in last),
             # The host's side of the policy: the controller's cycles (QMP,
             # the guests' statistics, its decisions), 0 without one.
             "controller_cpu_s": round(self.controller_cpu, 3),
