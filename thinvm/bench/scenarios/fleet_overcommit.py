@@ -225,8 +225,7 @@ class FleetOvercommit(oc.Overcommit):
         if controller is not None:
             ctx.note("controller_log", list(log))
         reclaimed = controller is not None or setup.reclaimer
-        oc.collect_final(guests, runs, levers if reclaimed else None)
-        alive = [g.alive() for g in guests]
+        alive = oc.collect_final(guests, runs, levers if reclaimed else None)
         swapins = oc.host_swapins() - swapins_before
         metrics = oc.count_metrics(
             setup, len(guests), runs, alive, budget.oom_kills(), budget.cgroup.max_usage(),

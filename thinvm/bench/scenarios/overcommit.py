@@ -430,10 +430,9 @@ class Overcommit:
             # The reclaimers' final counters wherever one ran: under a
             # controller, or on its own (stock-reclaimer).
             reclaimed = controller is not None or setup.reclaimer
-            collect_final(guests, runs, levers if reclaimed else None)
+            alive = collect_final(guests, runs, levers if reclaimed else None)
             host_ooms = cgroup.oom_kills()
             peak = cgroup.max_usage()
-            alive = [g.alive() for g in guests]
         swapins = host_swapins() - swapins_before
         metrics = count_metrics(
             setup, count, runs, alive, host_ooms, peak, sampler, controller, ctx, self.shared,
@@ -475,11 +474,14 @@ def run_guests(
             controller.backend.close()
 
 
-def collect_final(guests: list[Guest], runs: list[GuestRun], levers: "Levers | None") -> None:
+def collect_final(guests: list[Guest], runs: list[GuestRun], levers: "Levers | None") -> list[bool]:
     """The guests' own counters at the end: OOM kills, refaults, stalls,
-    and the levers' final positions where a controller moved them."""
-    for guest, run in zip(guests, runs, strict=True):
-        if not guest.alive():
+    and the levers' final positions where a controller moved them.  Which
+    guests were still alive (asked once: a libvirt domain's state is a
+    virsh call)."""
+    alive = [guest.alive() for guest in guests]
+    for guest, run, up in zip(guests, runs, alive, strict=True):
+        if not up:
             continue  # its counters stay None
         vmstat = guest_vmstat(guest.agent)
         if vmstat is not None:
@@ -489,6 +491,7 @@ def collect_final(guests: list[Guest], runs: list[GuestRun], levers: "Levers | N
         run.stall_us = guest_stall_us(guest.agent)
         if levers is not None:
             levers.read_final(guest)
+    return alive
 
 
 REPORTING = "free page reporting"
