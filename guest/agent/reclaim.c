@@ -541,6 +541,7 @@ static void wait_locked(long long ms)
 struct bg_state {
 	long long next_tick_us;	/* when background_tick() runs next */
 	uint64_t last_free;	/* MemFree at the last look; 0: none yet */
+	unsigned long freed_epoch;	/* rc.epoch at the last look */
 	unsigned long epoch;
 	bool fresh;		/* no samples yet: next tick only measures */
 	struct sample prev, quiet;
@@ -660,6 +661,12 @@ static void report_freed(struct bg_state *st)
 
 	if (read_meminfo(&m))
 		return;
+	if (st->freed_epoch != rc.epoch) {
+		/* A trim ran: it freed memory and had it reported itself. */
+		st->freed_epoch = rc.epoch;
+		st->last_free = m.free;
+		return;
+	}
 	min = m.total / FREED_TOTAL_DIV > FREED_MIN ?
 	      m.total / FREED_TOTAL_DIV : FREED_MIN;
 	if (st->last_free && m.free >= st->last_free + min) {
