@@ -176,17 +176,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
         assert how in out, out
         # ...so the migration had much less to send.
         assert trimmed < 0.5 * untrimmed, f"untrimmed {untrimmed}: {out}"
-        # A host short of memory asks again every second (the controller
-        # does, bounded): trims back to back keep to the floor the first
-        # one held, not to an active list it had just deactivated, so
-        # they take next to nothing and the hot subset stays (below).
-        again = [
-            json.loads(cli(run_env, "trim", name, "--max-bytes", "64M", "--json").stdout)
-            for _ in range(3)
-        ]
-        taken = sum(int(r["guest"]["reclaimed_bytes_trim"]) for r in again)
-        print(f"three more trims took {format_size(taken)}: {[r['guest']['stop'] for r in again]}")
-        assert taken < HOT // 4, again
+        trims_back_to_back_keep_the_floor(run_env, name)
         moved = VM.attach(vm.rundir)
         try:
             agent = moved.agent
@@ -207,9 +197,8 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
                 f"{format_size(cache_trimmed)}"
             )
             if status["lru_gen"]:
-                # MGLRU is the case where the hot set is hard to see; the
-                # classic LRU's active list shows it (and the suite's time
-                # is better spent once).
+                # MGLRU hides the hot set from the active list the classic
+                # LRU shows it in (and the suite's time is better spent once).
                 assert moved.pid is not None
                 background_keeps_hot_and_backs_off_under_pressure(agent, moved.pid)
         finally:
@@ -221,6 +210,20 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
         assert result["trimmed"] and result["guest"]["stop"] in ("max_bytes", "floor"), result
     finally:
         stop_detached(vm, name, run_env)
+
+
+def trims_back_to_back_keep_the_floor(run_env: dict[str, str], name: str) -> None:
+    """A host short of memory asks again every second (the controller
+    does, bounded): trims back to back keep to the floor the first one
+    held, not to an active list it had just deactivated, so they take
+    next to nothing and the hot subset stays (the caller checks)."""
+    again = [
+        json.loads(cli(run_env, "trim", name, "--max-bytes", "64M", "--json").stdout)
+        for _ in range(3)
+    ]
+    taken = sum(int(r["guest"]["reclaimed_bytes_trim"]) for r in again)
+    print(f"three more trims took {format_size(taken)}: {[r['guest']['stop'] for r in again]}")
+    assert taken < HOT // 4, again
 
 
 def background_keeps_hot_and_backs_off_under_pressure(agent: AgentClient, qemu_pid: int) -> None:
