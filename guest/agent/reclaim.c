@@ -553,13 +553,14 @@ struct bg_state {
  * Refaults after our steps (a background tick's or a trim's) mean we
  * reclaimed into the working set: what came back is in use, and the
  * active list may not show it (MGLRU keeps page cache read through
- * read() out of it, and our own steps deactivate it).  It is added to the floor, up to the page cache there is, and
- * kept for longer than a floor read from the lists: every further
- * back-off for refaults adds to it and renews it, and it lapses when
- * nothing refaulted for BG_LEARNED_HOLD_MS, so a working set that shrank
- * is given back then.  Only what came back counts, not the page cache
- * as it stood: refaults of a hot set while a large file is read once
- * would otherwise make that whole file a floor.
+ * read() out of it, and our own steps deactivate it).  It is added to
+ * the floor, up to the page cache there is, and kept for longer than a
+ * floor read from the lists: every further back-off for refaults adds
+ * to it and renews it, and it lapses when nothing refaulted for
+ * BG_LEARNED_HOLD_MS, so a working set that shrank is given back then.
+ * Only what came back counts, not the page cache as it stood: refaults
+ * of a hot set while a large file is read once would otherwise make
+ * that whole file a floor.
  */
 static void learn(const struct sample *prev, const struct sample *now)
 {
@@ -586,13 +587,17 @@ static void renew_floor(long long t_us)
 		rc.learned_floor = 0;
 }
 
-/* One background tick with rc.lock held; returns how long to wait. */
-static long long background_tick(struct bg_state *st)
+/*
+ * One background tick with rc.lock held; returns how long to wait.
+ * @m is /proc/meminfo as the loop read it just before, NULL if it could
+ * not be read.
+ */
+static long long background_tick(struct bg_state *st,
+				 const struct meminfo *m)
 {
-	struct meminfo m;
 	struct sample now;
 	const char *why;
-	uint64_t step, got;
+	uint64_t avail, step, got;
 	long long cpu;
 
 	if (st->fresh || st->epoch != rc.epoch) {
@@ -619,20 +624,24 @@ static long long background_tick(struct bg_state *st)
 	st->backoff_ms = 0;
 	st->prev = now;
 	renew_floor(now.t_us);
-	if (read_meminfo(&m) || room(&m) < STEP_MIN) {
+	avail = m ? room(m) : 0;
+	if (avail < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
 		take_sample(&st->quiet, true);
 		st->prev = st->quiet;
 		return BG_IDLE_MS;
 	}
-	step = m.total / BG_STEP_DIV;
+	step = m->total / BG_STEP_DIV;
 	if (step < STEP_MIN)
 		step = STEP_MIN;
-	if (step > room(&m))
-		step = room(&m);
+	if (step > avail)
+		step = avail;
 	cpu = thread_cpu_us();
 	got = reclaim_bytes(step);
+	/* What our own step freed is the kernel's to report, at its pace. */
+	if (st->last_free)
+		st->last_free += got;
 	st->since_compact += got;
 	if (st->since_compact >= BG_COMPACT_EVERY && compact())
 		st->since_compact = 0;
@@ -653,23 +662,20 @@ static long long background_tick(struct bg_state *st)
  * passes themselves are the kernel's, run sooner, not more of them.
  * Without our driver (no report_now) this does nothing.
  */
-static void report_freed(struct bg_state *st)
+static void report_freed(struct bg_state *st, const struct meminfo *m)
 {
-	struct meminfo m;
 	uint64_t min;
 	bool reported;
 
-	if (read_meminfo(&m))
-		return;
 	if (st->freed_epoch != rc.epoch) {
 		/* A trim ran: it freed memory and had it reported itself. */
 		st->freed_epoch = rc.epoch;
-		st->last_free = m.free;
+		st->last_free = m->free;
 		return;
 	}
-	min = m.total / FREED_TOTAL_DIV > FREED_MIN ?
-	      m.total / FREED_TOTAL_DIV : FREED_MIN;
-	if (st->last_free && m.free >= st->last_free + min) {
+	min = m->total / FREED_TOTAL_DIV > FREED_MIN ?
+	      m->total / FREED_TOTAL_DIV : FREED_MIN;
+	if (st->last_free && m->free >= st->last_free + min) {
 		/* The passes take a while: let a TRIM or STATUS through. */
 		pthread_mutex_unlock(&rc.lock);
 		reported = report_now();
@@ -677,12 +683,14 @@ static void report_freed(struct bg_state *st)
 		if (reported)
 			rc.c.freed_reports++;
 	}
-	st->last_free = m.free;
+	st->last_free = m->free;
 }
 
 static void *background_main(void *unused)
 {
 	struct bg_state st = { .fresh = true };
+	struct meminfo m;
+	bool have_m;
 	long long wait_ms;
 
 	(void)unused;
@@ -699,11 +707,17 @@ static void *background_main(void *unused)
 			wait_locked(BG_IDLE_MS);
 			continue;
 		}
+		/* One read of /proc/meminfo serves both, once a second. */
+		have_m = !read_meminfo(&m);
+		if (have_m)
+			report_freed(&st, &m);
+		/* report_freed() may have let a STOP through. */
+		if (!rc.background)
+			continue;
 		if (mono_us() >= st.next_tick_us) {
-			wait_ms = background_tick(&st);
+			wait_ms = background_tick(&st, have_m ? &m : NULL);
 			st.next_tick_us = mono_us() + wait_ms * 1000LL;
 		}
-		report_freed(&st);
 		wait_ms = (st.next_tick_us - mono_us()) / 1000;
 		if (wait_ms > FREED_LOOK_MS)
 			wait_ms = FREED_LOOK_MS;
