@@ -122,8 +122,28 @@ def in_guest(h: Host, name: str, command: str) -> str:
 
 
 def verify(h: Host, name: str, seed: int) -> None:
-    res = guest.run_in_guest(h, name, f"thinvm-mem pattern verify {PATTERN} --seed {seed}").json()
+    command = f"thinvm-mem pattern verify {PATTERN} --seed {seed}"
+    try:
+        res = guest.run_in_guest(h, name, command).json()
+    except ThinvmError as exc:
+        # The domain is gone by the time the failure hook looks: say now
+        # whether the guest hung or only its agent channel did not answer.
+        raise ThinvmError(f"{exc}; on {h.name}: {guest_state(h, name)}") from exc
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
+
+
+def guest_state(h: Host, name: str) -> str:
+    """libvirt's state and reason for the domain, and its vCPU's RIP twice,
+    a second apart (a hung guest keeps one)."""
+    parts = []
+    with contextlib.suppress(ThinvmError):
+        parts.append(virsh(h, "domstate", "--reason", name, timeout=10).strip())
+    for _ in range(2):
+        with contextlib.suppress(ThinvmError):
+            regs = virsh(h, "qemu-monitor-command", "--hmp", name, "info registers", timeout=10)
+            parts += [w for w in regs.split() if w.startswith("RIP=")]
+        time.sleep(1)
+    return ", ".join(parts) or "no state"
 
 
 def qemu_of(h: Host, name: str) -> tuple[str, str]:
