@@ -138,11 +138,12 @@ def guest_state(h: Host, name: str) -> str:
     parts = []
     with contextlib.suppress(ThinvmError):
         parts.append(virsh(h, "domstate", "--reason", name, timeout=10).strip())
-    for _ in range(2):
+    for sample in range(2):
+        if sample:
+            time.sleep(1)
         with contextlib.suppress(ThinvmError):
             regs = virsh(h, "qemu-monitor-command", "--hmp", name, "info registers", timeout=10)
             parts += [w for w in regs.split() if w.startswith("RIP=")]
-        time.sleep(1)
     return ", ".join(parts) or "no state"
 
 
@@ -205,6 +206,16 @@ def install_thinvm_qemu(state: ClusterState, name: str) -> None:
 
 def systemctl(state: ClusterState, host: str, *args: str) -> str:
     return cluster.host_run(state, host, ["systemctl", "--no-pager", *args]).stdout.strip()
+
+
+def systemctl_ok(state: ClusterState, host: str, *args: str) -> None:
+    """systemctl ARGS that must succeed: a failure shows why, with the
+    units' status, instead of surfacing later as a missing directory."""
+    proc = cluster.host_run(state, host, ["systemctl", "--no-pager", *args])
+    if proc.returncode:
+        units = [a for a in args if a.endswith(".service")]
+        status = cluster.host_run(state, host, ["systemctl", "--no-pager", "status", *units])
+        raise AssertionError(f"systemctl {' '.join(args)}: {proc.stderr}{status.stdout}")
 
 
 def assert_booted(state: ClusterState, host: str, timeout: float = 120.0) -> None:
@@ -619,7 +630,7 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     # The warm pool as an operator sizes it, in its packaged config file.
     pool_conf = h.rootfs / "etc/thinvm/pool.conf"
     pool_conf.write_text(pool_conf.read_text() + f'THINVM_POOL_ARGS="--slot {POOL_SLOT // MiB}M"\n')
-    systemctl(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
+    systemctl_ok(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
     # The services keep their state to root, and leave /var/lib/thinvm
     # traversable: libvirt-qemu reads guest images below it.
     state_dir = h.rootfs / "var/lib/thinvm"
