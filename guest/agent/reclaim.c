@@ -660,18 +660,19 @@ static long long background_tick(struct bg_state *st,
  * overcommits swaps other guest memory out for it.  Only large rises
  * count, so memory freed in passing is left to the kernel's pace; the
  * passes themselves are the kernel's, run sooner, not more of them.
- * Without our driver (no report_now) this does nothing.
+ * Without our driver (no report_now) this does nothing.  Returns whether
+ * it let go of rc.lock to ask for a pass.
  */
-static void report_freed(struct bg_state *st, const struct meminfo *m)
+static bool report_freed(struct bg_state *st, const struct meminfo *m)
 {
 	uint64_t min;
-	bool reported;
+	bool reported, asked = false;
 
 	if (st->freed_epoch != rc.epoch) {
 		/* A trim ran: it freed memory and had it reported itself. */
 		st->freed_epoch = rc.epoch;
 		st->last_free = m->free;
-		return;
+		return false;
 	}
 	min = m->total / FREED_TOTAL_DIV > FREED_MIN ?
 	      m->total / FREED_TOTAL_DIV : FREED_MIN;
@@ -682,8 +683,10 @@ static void report_freed(struct bg_state *st, const struct meminfo *m)
 		pthread_mutex_lock(&rc.lock);
 		if (reported)
 			rc.c.freed_reports++;
+		asked = true;
 	}
 	st->last_free = m->free;
+	return asked;
 }
 
 static void *background_main(void *unused)
@@ -709,11 +712,14 @@ static void *background_main(void *unused)
 		}
 		/* One read of /proc/meminfo serves both, once a second. */
 		have_m = !read_meminfo(&m);
-		if (have_m)
-			report_freed(&st, &m);
-		/* report_freed() may have let a STOP through. */
-		if (!rc.background)
-			continue;
+		if (have_m && report_freed(&st, &m)) {
+			/* It let the lock go while the kernel reported: a STOP
+			 * may have come through, and a trim may have run.
+			 */
+			if (!rc.background)
+				continue;
+			have_m = !read_meminfo(&m);
+		}
 		if (mono_us() >= st.next_tick_us) {
 			wait_ms = background_tick(&st, have_m ? &m : NULL);
 			st.next_tick_us = mono_us() + wait_ms * 1000LL;
