@@ -120,3 +120,29 @@ def test_agent_that_never_answers_fails_fast(sock_path: Path) -> None:
     with pytest.raises(GuestError, match="did not answer within 1 s"):
         AgentClient(str(sock_path)).run("true", timeout=1)
     done.set()
+
+
+@pytest.mark.parametrize("request_json", [False, True], ids=["exec", "json"])
+def test_a_connection_lost_mid_request_is_a_guest_error(
+    sock_path: Path, request_json: bool
+) -> None:
+    """QEMU gone between the sync and the request (an OOM-killed guest):
+    the send fails with EPIPE, which callers see as a GuestError."""
+    done = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        token = _read_line(conn).split()[1]
+        # Shut for reading before the PONG: the request that follows
+        # cannot be delivered, and the socket says so at once.
+        conn.shutdown(socket.SHUT_RD)
+        conn.sendall(b"PONG " + token + b"\n")
+        done.wait(5)
+
+    _fake_agent(sock_path, script)
+    client = AgentClient(str(sock_path))
+    with pytest.raises(GuestError, match="connection lost"):
+        if request_json:
+            client.request_json("TRIM 0", timeout=5)
+        else:
+            client.run("true", timeout=5)
+    done.set()

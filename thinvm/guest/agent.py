@@ -180,6 +180,13 @@ class AgentClient:
             raise GuestError(f"agent socket {self.path} closed by QEMU")
         self._buf += chunk
 
+    def _connection_lost(self, exc: OSError) -> GuestError:
+        """The socket failed mid-request (QEMU exited or closed it): a
+        GuestError like every other agent failure, so callers that handle
+        those need not know socket errors too."""
+        self._disconnect()
+        return GuestError(f"agent socket {self.path}: connection lost ({exc})")
+
     def _protocol_error(self, message: str) -> GuestError:
         """A reply we cannot follow: what is left of it on the wire is
         dropped with the connection (a fresh one resyncs with PING)."""
@@ -277,6 +284,8 @@ class AgentClient:
             # The reply may still come; a fresh connection must resync.
             self._disconnect()
             raise GuestError(f"guest command {command!r} timed out after {timeout:.0f} s") from exc
+        except OSError as exc:
+            raise self._connection_lost(exc) from exc
         return CommandResult(
             command, status, out.decode(errors="replace"), err.decode(errors="replace")
         )
@@ -315,6 +324,8 @@ class AgentClient:
         except TimeoutError as exc:
             self._disconnect()
             raise GuestError(f"agent request {request!r} timed out after {timeout:.0f} s") from exc
+        except OSError as exc:
+            raise self._connection_lost(exc) from exc
         return json.loads(body)
 
 
