@@ -204,18 +204,13 @@ def install_thinvm_qemu(state: ClusterState, name: str) -> None:
     assert cluster.host_flavour(h) == "patched"
 
 
-def systemctl(state: ClusterState, host: str, *args: str) -> str:
-    return cluster.host_run(state, host, ["systemctl", "--no-pager", *args]).stdout.strip()
-
-
-def systemctl_ok(state: ClusterState, host: str, *args: str) -> None:
-    """systemctl ARGS that must succeed: a failure shows why, with the
-    units' status, instead of surfacing later as a missing directory."""
+def systemctl(state: ClusterState, host: str, *args: str, check: bool = False) -> str:
+    """systemctl ARGS on `host`, its output; `check`: a failure raises with
+    systemctl's message, instead of surfacing later as a missing directory."""
     proc = cluster.host_run(state, host, ["systemctl", "--no-pager", *args])
-    if proc.returncode:
-        units = [a for a in args if a.endswith(".service")]
-        status = cluster.host_run(state, host, ["systemctl", "--no-pager", "status", *units])
-        raise AssertionError(f"systemctl {' '.join(args)}: {proc.stderr}{status.stdout}")
+    if check and proc.returncode:
+        raise AssertionError(f"systemctl {' '.join(args)}: {proc.stderr}{proc.stdout}")
+    return proc.stdout.strip()
 
 
 def assert_booted(state: ClusterState, host: str, timeout: float = 120.0) -> None:
@@ -630,7 +625,8 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     # The warm pool as an operator sizes it, in its packaged config file.
     pool_conf = h.rootfs / "etc/thinvm/pool.conf"
     pool_conf.write_text(pool_conf.read_text() + f'THINVM_POOL_ARGS="--slot {POOL_SLOT // MiB}M"\n')
-    systemctl_ok(state, host, "enable", "--now", "thinvm-balance.service", "thinvm-pool.service")
+    units = ("thinvm-balance.service", "thinvm-pool.service")
+    systemctl(state, host, "enable", "--now", *units, check=True)
     # The services keep their state to root, and leave /var/lib/thinvm
     # traversable: libvirt-qemu reads guest images below it.
     state_dir = h.rootfs / "var/lib/thinvm"
