@@ -48,7 +48,9 @@ GUEST_TEST_INITCALLS_SKIPPED = (
 #   (11.6 -> 5.9 s of CPU to its init), which the suite pays for some
 #   hundred times.  A profile without it tests the bzImage boot users and
 #   the benchmarks get.
-# - The kernel arguments above.
+# - The kernel arguments above, and SysRq on, so that a failing test can
+#   have a guest that stopped answering dump its tasks on its console
+#   (tests/integration/stuck_guest.py).
 # - Kept boots: guests whose whole state is their RAM and devices boot
 #   once per configuration; later guests of the same configuration load
 #   that boot's state (0.1-0.6 s of QEMU CPU to the agent, against 3-7 s
@@ -58,7 +60,7 @@ GUEST_TEST_INITCALLS_SKIPPED = (
 #   by `virsh save` (start_domain below: ~1-3 s against ~33 s for a boot).
 SUITE_PROFILE = GuestProfile(
     pvh=True,
-    append="init_on_alloc=0 cryptomgr.notests initcall_blacklist="
+    append="init_on_alloc=0 cryptomgr.notests sysrq_always_enabled initcall_blacklist="
     + ",".join(GUEST_TEST_INITCALLS_SKIPPED),
     kept_boots=cache_dir() / "booted",
 )

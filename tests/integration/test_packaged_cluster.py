@@ -30,11 +30,13 @@ import pytest
 from tests.conftest import (
     PROFILE,
     assert_only_cluster_clients,
+    domain_liveness,
     memstat,
     start_domain,
     thinvm_cli,
     wait_for,
 )
+from tests.integration.stuck_guest import stuck_guest_report
 from tests.integration.tls_isolation import assert_qemus_files_open_no_peer
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
@@ -128,23 +130,10 @@ def verify(h: Host, name: str, seed: int) -> None:
     except ThinvmError as exc:
         # The domain is gone by the time the failure hook looks: say now
         # whether the guest hung or only its agent channel did not answer.
-        raise ThinvmError(f"{exc}; on {h.name}: {guest_state(h, name)}") from exc
+        console = cluster.shared_dir(Path(h.root).parent.parent) / f"{name}.console.log"
+        state = f"{domain_liveness(h, name)}\n{stuck_guest_report(h, name, console)}"
+        raise ThinvmError(f"{exc}; on {h.name}: {state}") from exc
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
-
-
-def guest_state(h: Host, name: str) -> str:
-    """libvirt's state and reason for the domain, and its vCPU's RIP twice,
-    a second apart (a hung guest keeps one)."""
-    parts = []
-    with contextlib.suppress(ThinvmError):
-        parts.append(virsh(h, "domstate", "--reason", name, timeout=10).strip())
-    for sample in range(2):
-        if sample:
-            time.sleep(1)
-        with contextlib.suppress(ThinvmError):
-            regs = virsh(h, "qemu-monitor-command", "--hmp", name, "info registers", timeout=10)
-            parts += [w for w in regs.split() if w.startswith("RIP=")]
-    return ", ".join(parts) or "no state"
 
 
 def qemu_of(h: Host, name: str) -> tuple[str, str]:
