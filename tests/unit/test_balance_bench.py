@@ -54,13 +54,17 @@ def test_workload_steps() -> None:
 def test_fit_counts_finished_guests_without_oom_within_1_2x_of_unconstrained() -> None:
     shared = Shared()
     free = metrics(
-        Setup(False, False, None),
+        Setup(False, True, None),
         [run(n, [t]) for n, t in zip("abcde", [10.0, 12.0, 11.0, 9.0, 13.0], strict=True)],
         shared,
         [True] * 5,
     )
     # The reference is the unconstrained run's completion: its slowest guest.
     assert shared.reference_work == {5: 13.0} and free["fit_guests"] == 5
+    # The unconstrained row without reporting runs beside it, bar untouched.
+    slower = [run(n, [20.0]) for n in "abcde"]
+    metrics(Setup(False, False, None), slower, shared, [True] * 5)
+    assert shared.reference_work == {5: 13.0}
     runs = [
         run("ok", [15.0]),  # 1.15x
         run("slow", [16.0]),  # 1.23x
@@ -83,7 +87,7 @@ def test_rereads_count_as_work_and_must_lie_within_what_was_read() -> None:
         Workload(2, 640 * MiB, 64 * MiB, 0.5, 4, 8, read=32 * MiB, reread=64 * MiB)
     shared = Shared()
     hot = [GuestRun(n, [5.0], True, "", 0, reread_seconds=[1.0, 2.0]) for n in "ab"]
-    free = metrics(Setup(False, False, None), hot, shared, [True, True])
+    free = metrics(Setup(False, True, None), hot, shared, [True, True])
     # A trim that took the hot files makes the re-reads, so the work, slower.
     assert shared.reference_work == {2: 8.0} and free["reread_s"] == 3.0
     trimmed = [GuestRun("a", [5.0], True, "", 0, reread_seconds=[3.0, 2.0], file_refaults=900)]
