@@ -185,6 +185,22 @@ def test_result_names_round_trip_and_latest_wins(tmp_path: Path) -> None:
     assert bench_results.latest_results(tmp_path / "missing") == {}
 
 
+def test_a_record_that_judges_no_target_does_not_displace_one_that_did(tmp_path: Path) -> None:
+    def record(stamp: str, met: bool | None) -> None:
+        data = {"targets": [{"label": "x", "met": met}, {"label": "y", "met": None}]}
+        (tmp_path / f"overcommit-{stamp}.json").write_text(json.dumps(data))
+
+    record("20261129T100000Z", True)
+    record("20261129T160000Z", None)  # the reference rows alone
+    assert bench_results.latest_results(tmp_path)["overcommit"].stem.endswith("T100000Z")
+    record("20261129T170000Z", False)  # a newer full record, target missed
+    assert bench_results.latest_results(tmp_path)["overcommit"].stem.endswith("T170000Z")
+    for path in tmp_path.glob("*.json"):
+        path.unlink()
+    record("20261129T160000Z", None)  # nothing better: the newest stands
+    assert bench_results.latest_results(tmp_path)["overcommit"].stem.endswith("T160000Z")
+
+
 def _scenario(**kwargs: Any) -> Scenario:
     calls: list[str] = []
 

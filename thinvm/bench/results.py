@@ -227,18 +227,34 @@ def parse_result_name(filename: str) -> tuple[str, str] | None:
 
 
 def latest_results(directory: Path) -> dict[str, Path]:
-    """The newest results JSON of every scenario found in directory."""
-    latest: dict[str, tuple[str, Path]] = {}
+    """The newest results JSON of every scenario found in directory that
+    measured its targets.  A record of a few rows only (an A/B of the time
+    reference, say) judges none of them and does not displace the record
+    that did; a scenario none of whose records measured a target is
+    represented by its newest."""
+    found: dict[str, list[tuple[str, Path]]] = {}
     if not directory.is_dir():
         return {}
     for path in directory.glob("*.json"):
         parsed = parse_result_name(path.name)
-        if parsed is None:
-            continue
-        scenario, stamp = parsed
-        if scenario not in latest or stamp > latest[scenario][0]:
-            latest[scenario] = (stamp, path)
-    return {name: path for name, (_, path) in sorted(latest.items())}
+        if parsed is not None:
+            scenario, stamp = parsed
+            found.setdefault(scenario, []).append((stamp, path))
+    latest = {}
+    for scenario, records in sorted(found.items()):
+        newest_first = [path for _, path in sorted(records, reverse=True)]
+        judged = (path for path in newest_first if not _judges_no_target(path))
+        latest[scenario] = next(judged, newest_first[0])
+    return latest
+
+
+def _judges_no_target(path: Path) -> bool:
+    """Whether the record has targets and measured none of them."""
+    try:
+        targets = json.loads(path.read_text()).get("targets") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(targets) and all(t.get("met") is None for t in targets)
 
 
 REQUIRED_FIELDS = (
