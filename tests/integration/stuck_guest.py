@@ -79,6 +79,8 @@ def console_after(console: Path, offset: int, wait: float) -> str:
         if now == size and now > offset:
             break
         size = now
+    if not console.exists():
+        return f"(no console log at {console})"
     with console.open("rb") as f:
         f.seek(offset)
         return f.read().decode(errors="replace")
@@ -107,7 +109,15 @@ def sysrq(h: Host, name: str, console: Path, keys: str) -> str:
 
 
 def stuck_guest_report(h: Host, name: str, console: Path) -> str:
-    """Everything above, as text for an assertion message."""
+    """Everything above, as text for an assertion message; never raises,
+    so that it cannot hide the failure it describes."""
+    try:
+        return _report(h, name, console)
+    except (ThinvmError, OSError, ValueError) as exc:
+        return f"(no diagnosis: {exc})"
+
+
+def _report(h: Host, name: str, console: Path) -> str:
     parts = [hmp(h, name, "info lapic").strip(), *virtio_queues(h, name)]
     blocked = sysrq(h, name, console, "w")
     parts.append("SysRq-w (blocked tasks):\n" + blocked.strip()[-4000:])

@@ -131,7 +131,11 @@ def verify(h: Host, name: str, seed: int) -> None:
         # The domain is gone by the time the failure hook looks: say now
         # whether the guest hung or only its agent channel did not answer.
         console = cluster.shared_dir(Path(h.root).parent.parent) / f"{name}.console.log"
-        state = f"{domain_liveness(h, name)}\n{stuck_guest_report(h, name, console)}"
+        try:
+            liveness = domain_liveness(h, name)
+        except ThinvmError as gone:
+            liveness = str(gone)
+        state = f"{liveness}\n{stuck_guest_report(h, name, console)}"
         raise ThinvmError(f"{exc}; on {h.name}: {state}") from exc
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
 
