@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from thinvm.errors import ThinvmError
+from thinvm.fleet import guest
 from thinvm.fleet.cluster import Host, virsh
 
 # A task dump of a Debian guest under TCG takes 10-20 s on the serial line.
@@ -117,8 +118,19 @@ def stuck_guest_report(h: Host, name: str, console: Path) -> str:
         return f"(no diagnosis: {exc})"
 
 
+def agent_channel(h: Host, name: str) -> str:
+    """Where libvirt says the agent's socket is, whether it is there, and
+    QEMU's chardevs (a socket chardev says whether a client is connected)."""
+    try:
+        path = guest.agent_socket(h, name)
+        there = f"{path} exists" if path.exists() else f"{path} MISSING"
+    except ThinvmError as exc:
+        there = f"(no agent socket: {exc})"
+    return f"{there}\n{hmp(h, name, 'info chardev').strip()}"
+
+
 def _report(h: Host, name: str, console: Path) -> str:
-    parts = [hmp(h, name, "info lapic").strip(), *virtio_queues(h, name)]
+    parts = [agent_channel(h, name), hmp(h, name, "info lapic").strip(), *virtio_queues(h, name)]
     blocked = sysrq(h, name, console, "w")
     parts.append("SysRq-w (blocked tasks):\n" + blocked.strip()[-4000:])
     parts.append("SysRq-t, the agent's threads:\n" + agent_tasks(sysrq(h, name, console, "t")))

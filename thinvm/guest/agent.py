@@ -110,6 +110,8 @@ class AgentClient:
         self._busy = threading.RLock()
         self._sock: socket.socket | None = None
         self._buf = b""
+        # Why the last ping failed, for the error when none answers.
+        self._last_failure = ""
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -237,9 +239,14 @@ class AgentClient:
                 self._recv_more(deadline)
             self._buf = self._buf.split(marker, 1)[1]
             return True
-        except (TimeoutError, OSError):
-            self._disconnect()
-            return False
+        except TimeoutError:
+            self._last_failure = f"no PONG within {timeout:.1f} s"
+        except OSError as exc:
+            # Connecting fails at once (no socket, nobody listening);
+            # an accepted connection that is never served only times out.
+            self._last_failure = f"{type(exc).__name__}: {exc.strerror or exc}"
+        self._disconnect()
+        return False
 
     def wait_ready(self, timeout: float) -> float:
         """Ping until the agent answers; returns the seconds it took."""
@@ -257,7 +264,8 @@ class AgentClient:
             except GuestError:
                 pass
             time.sleep(0.1)
-        raise GuestError(f"guest agent did not answer within {timeout:.0f} s")
+        last = f" (last attempt: {self._last_failure})" if self._last_failure else ""
+        raise GuestError(f"guest agent did not answer within {timeout:.0f} s{last}")
 
     def run(self, command: str, timeout: float = 300.0) -> CommandResult:
         """Run a shell command in the guest and wait for its exit status."""
