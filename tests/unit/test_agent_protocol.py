@@ -1,5 +1,6 @@
 """The host side of the agent protocol against a scripted fake agent."""
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -8,12 +9,17 @@ from pathlib import Path
 import pytest
 
 from thinvm.errors import GuestError
-from thinvm.guest.agent import AgentClient
+from thinvm.guest.agent import SUN_PATH_MAX, AgentClient
 
 
 def _fake_agent(path: Path, script: Callable[[socket.socket], None]) -> threading.Thread:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
+    # Bound through its directory's descriptor: the path may be too long.
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        server.bind(f"/proc/self/fd/{directory}/{path.name}")
+    finally:
+        os.close(directory)
     server.listen(1)
 
     def serve() -> None:
@@ -111,6 +117,18 @@ def test_fresh_connection_skips_a_stale_reply_before_exec(sock_path: Path) -> No
 
     _fake_agent(sock_path, script)
     assert AgentClient(str(sock_path)).run("echo fresh", timeout=5).stdout == "fresh"
+
+
+def test_a_socket_path_longer_than_sun_path_is_reached(tmp_path: Path) -> None:
+    """A cluster host's channel socket seen from outside its root can be
+    longer than sun_path's 108 bytes (a two-digit domain id was enough):
+    connecting by the plain path fails with "AF_UNIX path too long"."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = deep / "org.thinvm.agent"
+    assert len(str(path)) > SUN_PATH_MAX
+    _fake_agent(path, _answer_ping)
+    assert AgentClient(str(path)).ping(timeout=5)
 
 
 def test_agent_that_never_answers_fails_fast(sock_path: Path) -> None:
