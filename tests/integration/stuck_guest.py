@@ -98,14 +98,13 @@ def agent_tasks(dump: str) -> str:
     return "\n".join(blocks) or f"(no {AGENT_TASK} task in the dump)"
 
 
-def sysrq(h: Host, name: str, console: Path, keys: str) -> str:
-    """Press Alt-SysRq-KEY for each key and return the console's answer."""
+def sysrq(h: Host, name: str, console: Path, key: str) -> str:
+    """Press Alt-SysRq-KEY and return the console's answer."""
     offset = console.stat().st_size if console.exists() else 0
-    for key in keys:
-        try:
-            virsh(h, "send-key", name, "KEY_LEFTALT", "KEY_SYSRQ", f"KEY_{key.upper()}")
-        except ThinvmError as exc:
-            return f"(send-key: {exc})"
+    try:
+        virsh(h, "send-key", name, "KEY_LEFTALT", "KEY_SYSRQ", f"KEY_{key.upper()}")
+    except ThinvmError as exc:
+        return f"(send-key: {exc})"
     return console_after(console, offset, SYSRQ_WAIT)
 
 

@@ -130,14 +130,15 @@ def verify(h: Host, name: str, seed: int) -> None:
     except ThinvmError as exc:
         # The domain is gone by the time the failure hook looks: say now
         # whether the guest hung or only its agent channel did not answer.
-        console = cluster.shared_dir(Path(h.root).parent.parent) / f"{name}.console.log"
-        try:
-            liveness = domain_liveness(h, name)
-        except ThinvmError as gone:
-            liveness = str(gone)
-        state = f"{liveness}\n{stuck_guest_report(h, name, console)}"
+        console = shared(h) / f"{name}.console.log"
+        state = f"{domain_liveness(h, name)}\n{stuck_guest_report(h, name, console)}"
         raise ThinvmError(f"{exc}; on {h.name}: {state}") from exc
     assert res["pages"] == PATTERN_MIB * 256 and res["bad"] == 0, res
+
+
+def shared(h: Host) -> Path:
+    """The cluster's shared directory (disks, consoles), as `h` sees it."""
+    return cluster.shared_dir(Path(h.root).parent.parent)
 
 
 def qemu_of(h: Host, name: str) -> tuple[str, str]:
@@ -170,7 +171,7 @@ def start(
     spec = guest.spec_for(
         guest.GuestSpec(name, memory=MEMORY, portable=True, hint=False),
         image,
-        cluster.shared_dir(Path(h.root).parent.parent),
+        shared(h),
         binary,
     )
     spec = PROFILE.domain(spec)  # booted as the suite boots guests
@@ -385,7 +386,7 @@ def test_operator_xml_guest_on_upgraded_hosts(
         emulator=emulator.PACKAGED_THINVM,
         kernel=PROFILE.kernel(image.vmlinuz),
         initrd=image.initrd,
-        disk=cluster.shared_dir(Path(h1.root).parent.parent) / f"{name}.qcow2",
+        disk=shared(h1) / f"{name}.qcow2",
         # A pty console, as Nova's domains have (console_log None).
         console_log=None,
         cmdline=image.cmdline,
