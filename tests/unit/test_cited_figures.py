@@ -85,3 +85,31 @@ def test_a_citation_that_cannot_hold_is_broken(tmp_path: Path) -> None:
     assert "no record" in problems[1]
     assert "cannot cite migration_ms" in problems[2]
     assert "no figure" in problems[3]
+
+
+def test_a_sweep_count_is_summarized_over_the_runs_that_reached_it(tmp_path: Path) -> None:
+    root = make_tree(
+        tmp_path,
+        "at 4: 3.31 s <!-- cite rec-s thinvm work_max_s@4 min -->-3.64 s"
+        " <!-- cite rec-s thinvm work_max_s@4 max -->, median 3.5 s"
+        " <!-- cite rec-s thinvm work_max_s@4 -->; at 6: 4.22 s"
+        " <!-- cite rec-s thinvm work_max_s@6 -->;"
+        " 3 s <!-- cite rec-s mom work_max_s@4 -->;"
+        " x1.2 <!-- cite rec-s thinvm work_max_s@4 ratio -->\n",
+    )
+
+    def run(variant: str, sweep: dict[str, float]) -> dict[str, object]:
+        counts = {count: {"work_max_s": value} for count, value in sweep.items()}
+        return {"variant": variant, "info": {"sweep": counts}}
+
+    runs = [
+        run("thinvm", {"4": 3.64, "5": 3.9}),
+        run("thinvm", {"4": 3.31, "5": 3.7, "6": 4.22}),
+        run("thinvm", {"4": 3.5}),
+        run("mom", {"3": 4.1}),
+    ]
+    (root / "bench" / "results" / "rec-s.json").write_text(json.dumps({"runs": runs}))
+    verdicts = citations.check_all(root)
+    assert [v.ok for v in verdicts[:4]] == [True] * 4, citations.report(verdicts)
+    assert "no mom run measured work_max_s at 4" in verdicts[4].problem
+    assert "a sweep count has no ratio" in verdicts[5].problem

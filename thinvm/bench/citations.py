@@ -14,6 +14,13 @@ metrics, or a bare number.  The record's value, converted to the
 figure's unit and rounded to as many decimals as the figure shows, must
 equal the figure.
 
+A metric written `METRIC@COUNT` is read from the runs themselves instead
+of the summary: each run's figure at that count of a sweep (the
+overcommit benchmarks' `info.sweep`), summarized over the row's runs
+that reached it (median, min or max; no ratio):
+
+    3.31 s <!-- cite overcommit-20261129T130213Z thinvm work_max_s@4 min -->
+
 `thinvm bench status` checks every citation; `--write` rewrites each
 figure from its record, keeping its unit and decimals.  tests/unit/
 test_cited_figures.py fails on a citation whose record does not hold it.
@@ -23,7 +30,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from thinvm.bench.results import summarize
 from thinvm.errors import ThinvmError
 
 FIELDS = ("median", "min", "max", "ratio")
@@ -49,9 +58,16 @@ UNITS = {
 METRIC_UNITS = {"_ms": ("time", 1e-3), "_s": ("time", 1.0), "_bytes": ("bytes", 1.0)}
 
 
+def split_sweep(metric: str) -> tuple[str, str | None]:
+    """`work_max_s@4` -> ("work_max_s", "4"); a plain metric has no count."""
+    name, at, count = metric.partition("@")
+    return name, count if at else None
+
+
 def in_unit(value: float, metric: str, unit: str) -> float:
     """A metric's value in a written unit; ThinvmError where they do not match."""
     kind, size = UNITS[unit]
+    metric = split_sweep(metric)[0]
     for suffix, (metric_kind, metric_size) in METRIC_UNITS.items():
         if metric.endswith(suffix) and metric_kind == kind:
             return value * metric_size / size
@@ -120,11 +136,30 @@ def render(value: float, figure: re.Match[str], metric: str) -> str:
     return f"{figure.group('sign')}{text}{figure.group('space')}{unit}"
 
 
+def sweep_summary(record: dict[str, Any], citation: Citation) -> dict[str, Any]:
+    """The row's runs' `metric` at one count of their sweep, summarized."""
+    metric, count = split_sweep(citation.metric)
+    if citation.field == "ratio":
+        raise ThinvmError(f"{citation.record}: a sweep count has no ratio")
+    values = [
+        run["info"]["sweep"][count].get(metric)
+        for run in record.get("runs", [])
+        if run.get("variant") == citation.row and count in run.get("info", {}).get("sweep", {})
+    ]
+    stats = summarize(values)
+    if stats is None:
+        raise ThinvmError(f"{citation.record}: no {citation.row} run measured {metric} at {count}")
+    return stats
+
+
 def record_value(results: Path, citation: Citation) -> float:
     path = results / f"{citation.record}.json"
     if not path.is_file():
         raise ThinvmError(f"no record {path}")
-    summary = json.loads(path.read_text()).get("summary", {})
+    record = json.loads(path.read_text())
+    if split_sweep(citation.metric)[1] is not None:
+        return float(sweep_summary(record, citation)[citation.field])
+    summary = record.get("summary", {})
     try:
         value = summary[citation.row][citation.metric][citation.field]
     except KeyError as exc:
