@@ -455,6 +455,10 @@ How to read the tables:
   placement (`info.placement`). `thinvm bench --unpinned` lets them share
   the CPUs, as every record before that date did: compare a pinned record
   with an unpinned one only as a change of rules.
+  Not yet the scenarios on libvirt clusters (`fleet-*`): there libvirt
+  starts the QEMUs and sets their affinity to every host CPU itself, so
+  both hosts' QEMUs share both CPUs (no `info.placement`); pinning them
+  needs each simulated host's cpuset cgroup limited to its own CPU.
 - A figure in README.md, docs/ or bench/notes.md that comes from a record
   is followed by a citation naming the record, row, metric and field
   (an HTML comment `cite RECORD ROW METRIC [median|min|max|ratio]`,
