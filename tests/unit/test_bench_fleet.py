@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from thinvm.bench import scenarios as bench_scenarios
-from thinvm.bench.scenarios import fleet, fleet_ws
+from thinvm.bench.scenarios import fleet, fleet_ws, hostcpus
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
 from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.errors import ThinvmError
@@ -171,8 +171,8 @@ def test_fleet_working_set_workload_is_checked() -> None:
 
 
 def test_cpu_lists_parse_as_the_kernel_prints_them() -> None:
-    assert fleet_ws._cpu_list("0-2,4\n") == [0, 1, 2, 4]
-    assert fleet_ws._cpu_list("1") == [1]
+    assert hostcpus.cpu_list("0-2,4\n") == [0, 1, 2, 4]
+    assert hostcpus.cpu_list("1") == [1]
 
 
 def test_a_leg_sums_migrations_and_keeps_the_worst_downtime() -> None:

@@ -455,10 +455,12 @@ How to read the tables:
   placement (`info.placement`). `thinvm bench --unpinned` lets them share
   the CPUs, as every record before that date did: compare a pinned record
   with an unpinned one only as a change of rules.
-  Not yet the scenarios on libvirt clusters (`fleet-*`): there libvirt
-  starts the QEMUs and sets their affinity to every host CPU itself, so
-  both hosts' QEMUs share both CPUs (no `info.placement`); pinning them
-  needs each simulated host's cpuset cgroup limited to its own CPU.
+  On libvirt clusters libvirt starts the QEMUs and resets their affinity
+  to every online CPU when the XML pins nothing, so there each simulated
+  host's cpuset cgroup holds its CPU instead (source host CPU 0,
+  destination CPU 1) and each run records `info.qemu_cpus`:
+  `fleet-working-set` since 2026-11-28, `fleet-migrate` since 2026-11-29
+  (its records before that shared both CPUs).
 - A figure in README.md, docs/ or bench/notes.md that comes from a record
   is followed by a citation naming the record, row, metric and field
   (an HTML comment `cite RECORD ROW METRIC [median|min|max|ratio]`,

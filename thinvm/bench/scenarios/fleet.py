@@ -41,6 +41,7 @@ from typing import TypeVar
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.hostcost import FaultCostWatch
+from thinvm.bench.scenarios import hostcpus
 from thinvm.bench.scenarios.common import Candidate, migration_rows
 from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.types import BenchOptions, Best, Metrics, RunContext, Scenario, Target, Variant
@@ -225,6 +226,8 @@ def cluster_session(link: str) -> Iterator[None]:
         try:
             yield
         finally:
+            for state in clusters.states.values():
+                hostcpus.unpin(list(state.hosts))
             clusters.stack = None
             clusters.states.clear()
 
@@ -260,6 +263,8 @@ def _run_one(
     def run(ctx: RunContext) -> Metrics:
         state = clusters.get(plan.cluster)
         src, dst = (state.host(n) for n in plan.route)
+        if opts.pin_sides:  # --unpinned leaves both hosts on every CPU
+            hostcpus.pin_pair(src, dst)
         image = guest_image.ensure_disk_image(opts.kernel)
         shared = cluster.shared_dir(Path(src.root).parent.parent)
         guest.define(src, plan.domain(image, size, shared), image)
@@ -316,6 +321,7 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
     ctx.step("waiting for free page reporting to settle")
     src_rss = _settle_rss(src, GUEST)
     source = _qemu_binary(src, GUEST)
+    source_cpus = hostcpus.allowed_cpus(guest.qemu_pid(src, GUEST))
     ctx.step(f"virsh migrate --live --p2p{' --tls' if dst.tls else ''} {src.name} -> {dst.name}")
     # The source only: libvirt starts the destination QEMU during the
     # migration, so there is nothing to sample before it.  libvirt names
@@ -326,6 +332,9 @@ def _measure(ctx: RunContext, src: Host, dst: Host, used: int, plan: FleetRun) -
     # Where the time went, libvirt's events among ours (issue 47).
     ctx.note("trace", trace.steps())
     dst_rss = _qemu_rss(dst, GUEST)
+    # Which CPUs each side's QEMU could run on: the pairing held.
+    dst_cpus = hostcpus.allowed_cpus(guest.qemu_pid(dst, GUEST))
+    ctx.note("qemu_cpus", {src.name: source_cpus, dst.name: dst_cpus})
     _check_binaries(ctx, src, dst, plan, source)
     client = guest.agent(dst, GUEST)
     try:
@@ -439,7 +448,8 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
             "namespaces, one libvirtd each, a bridge, a token bucket on each host's link; "
             "TLS between the libvirtds and on QEMU's migration stream, the cluster's "
             "default, except for the `-plain` variants, which run on a second cluster "
-            "made with `--no-tls`). "
+            "made with `--no-tls`); each host of a pair on a CPU of its own (its cgroup's "
+            "cpuset: source 0, destination 1). "
             f"A {format_size(size)} Debian 12 guest (disk image from guest/image/build-disk.sh, "
             f"kernel {opts.kernel}) writes {format_size(used)} of data, touches all but "
             f"{format_size(TOUCH_LEAVE)} of its free memory and frees it, optionally is "

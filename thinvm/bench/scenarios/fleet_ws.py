@@ -34,15 +34,15 @@ Variants:
   reclaimer left at its packaged default (on).
 """
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thinvm.bench.cpu import MigrationCpu
 from thinvm.bench.scenarios import fleet as fleet_bench
+from thinvm.bench.scenarios import hostcpus
 from thinvm.bench.scenarios.common import timed_by_agent
 from thinvm.bench.scenarios.fleet import CHANNELS, FleetRun
 from thinvm.bench.scenarios.params import float_param, int_param, size_param
@@ -50,7 +50,7 @@ from thinvm.bench.scenarios.spec import ScenarioSpec
 from thinvm.bench.scenarios.workingset import DATA_SOURCES, DataDisk, mount_command
 from thinvm.bench.types import BenchOptions, Metrics, RunContext, Scenario, Target, Variant
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, guest, hostcgroups, migrate
+from thinvm.fleet import cluster, guest, migrate
 from thinvm.fleet.cluster import ClusterState, Host, virsh
 from thinvm.guest import image as guest_image
 from thinvm.guest import trim, workload
@@ -65,8 +65,6 @@ CLUSTER = "packaged"  # a key of fleet_bench.CLUSTERS
 GUESTS = ("bench-ws-1", "bench-ws-2", "bench-ws-3")
 SEED = 4747
 PATTERN = "/dev/shm/thinvm-bench-pattern"
-# The hosts of a pair, each on a CPU of its own (cpuset).
-SOURCE_CPU, DESTINATION_CPU = "0", "1"
 # The data set: a file on a read-only ext4 disk, as migrate-working-set's.
 DATA = DATA_SOURCES["debian"]
 CONTROLLER = "thinvm-balance.service"
@@ -130,45 +128,6 @@ def make_workload(params: dict[str, str], size: int) -> Workload:
 
 
 # -- the hosts ----------------------------------------------------------------
-
-
-def _cpuset(h: Host) -> Path:
-    return hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"]
-
-
-def set_host_cpus(h: Host, cpus: str) -> None:
-    """Give the host's cgroup subtree (its systemd, libvirtd, QEMUs, vCPUs)
-    the CPUs `cpus`.  cgroup v1 keeps a child's CPUs within its parent's:
-    narrowing goes deepest first, widening top down."""
-    top = _cpuset(h)
-    tree = [top, *(d for d in top.rglob("*") if d.is_dir())]
-    tree.sort(key=lambda d: len(d.parts))
-    current = set(_cpu_list((top / "cpuset.cpus").read_text()))
-    narrowing = set(_cpu_list(cpus)) <= current
-    for d in reversed(tree) if narrowing else tree:
-        with contextlib.suppress(FileNotFoundError):  # a scope going away
-            (d / "cpuset.cpus").write_text(cpus)
-
-
-def _cpu_list(text: str) -> list[int]:
-    """ "0-2,4" -> [0, 1, 2, 4]."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus += range(int(first), int(last or first) + 1)
-    return cpus
-
-
-def allowed_cpus(pid: int) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
-def _all_cpus() -> str:
-    return (hostcgroups.CGROUP_ROOT / "cpuset" / "cpuset.cpus").read_text().strip()
 
 
 def ensure_controller(state: ClusterState, name: str) -> None:
@@ -358,12 +317,14 @@ def measure(ctx: RunContext, src: Host, dst: Host, side: Side, work: Workload) -
     metrics.update(trim.reclaimer_usage(booted, closed, window))
     metrics["reclaimer_thread_cpu_pct"] = trim.thread_share_pct(opened, closed, window)
     metrics["src_rss_bytes"] = hosts_rss(src)
-    placement = {src.name: allowed_cpus(guest.qemu_pid(src, GUESTS[0]))}
+    placement = {src.name: hostcpus.allowed_cpus(guest.qemu_pid(src, GUESTS[0]))}
     plain, parallel = Leg(""), Leg("parallel_")
     move_all(ctx, src, dst, work, plain, 0)
     metrics["dst_rss_bytes"] = hosts_rss(dst)
     # Which CPUs each side's QEMU may run on: the pairing held.
-    ctx.note("qemu_cpus", {**placement, dst.name: allowed_cpus(guest.qemu_pid(dst, GUESTS[0]))})
+    ctx.note(
+        "qemu_cpus", {**placement, dst.name: hostcpus.allowed_cpus(guest.qemu_pid(dst, GUESTS[0]))}
+    )
     move_all(ctx, dst, src, work, parallel, CHANNELS)
     return {**metrics, **plain.metrics, **parallel.metrics}
 
@@ -382,8 +343,7 @@ def _run_one(
         route = side.run(GUESTS[0]).route
         src, dst = (state.host(n) for n in route)
         if opts.pin_sides:  # --unpinned leaves both hosts on every CPU
-            set_host_cpus(src, SOURCE_CPU)
-            set_host_cpus(dst, DESTINATION_CPU)
+            hostcpus.pin_pair(src, dst)
         if side.controller:
             ctx.step(f"{CONTROLLER} on {src.name} and {dst.name}")
             for h in (src, dst):
@@ -407,19 +367,6 @@ def _data_disk(h: Host, disk: DataDisk) -> Path:
         fleet_bench.clusters.hold(disk.made(shared))
     assert disk.path is not None
     return disk.path
-
-
-@contextlib.contextmanager
-def _session(link: str) -> Iterator[None]:
-    """The clusters of fleet-migrate; the hosts' CPUs given back at the end."""
-    with fleet_bench.cluster_session(link):
-        try:
-            yield
-        finally:
-            state = fleet_bench.clusters.states.get(CLUSTER)
-            for h in state.hosts if state else ():
-                with contextlib.suppress(OSError):
-                    set_host_cpus(h, _all_cpus())
 
 
 def make_fleet_working_set(opts: BenchOptions, params: dict[str, str], size: int) -> Scenario:
@@ -454,7 +401,7 @@ def make_fleet_working_set(opts: BenchOptions, params: dict[str, str], size: int
             "kernel": opts.kernel,
             "pinned": opts.pin_sides,
         },
-        context=lambda: _session(link),
+        context=lambda: fleet_bench.cluster_session(link),
         targets=targets(),
     )
 
@@ -471,8 +418,9 @@ def description(work: Workload, size: int, link: str, kernel: str) -> str:
     return (
         f"Package-installed, systemd-booted hosts over TLS (`cluster up --packaged --systemd "
         f"--hosts 4 --link {link}`; h1, h2 with thinvm-qemu, h3, h4 Debian's QEMU), each host "
-        f"of a pair on a CPU of its own (cpuset: source {SOURCE_CPU}, destination "
-        f"{DESTINATION_CPU}). {len(GUESTS)} Debian 12 guests of {format_size(size)} (kernel "
+        f"of a pair on a CPU of its own (cpuset: source {hostcpus.SOURCE_CPU}, "
+        f"destination {hostcpus.DESTINATION_CPU}). {len(GUESTS)} Debian 12 guests of "
+        f"{format_size(size)} (kernel "
         f"{kernel}) from plain XML, each with a read-only data disk, write a "
         f"{format_size(work.anon)} pattern to tmpfs, read {format_size(work.data)} of a file "
         f"once and its first {format_size(work.hot)} {work.passes} times; then "
