@@ -4,7 +4,7 @@ import json
 from typing import Any
 
 from thinvm.bench.report import render_section
-from thinvm.bench.results import downtime_verdict
+from thinvm.bench.results import downtime_verdict, downtime_verdicts
 from thinvm.paths import REPO
 from thinvm.vm.downtime import DowntimeVerdict
 
@@ -30,6 +30,21 @@ def test_a_record_is_judged_from_its_rows_with_qemus_default_limit() -> None:
     assert tight is not None and not tight.met
     assert downtime_verdict(record(None)) is None
     assert downtime_verdict(record({"median": None, "max": None})) is None
+
+
+def test_every_pair_of_rows_is_judged_prefixed_ones_too() -> None:
+    summary = {
+        "128G-thinvm": {"downtime_ms": {"median": 15, "max": 21}},
+        "128G-stock-best": {"downtime_ms": {"median": 290, "max": 296}},
+        "pkg-thinvm": {"downtime_ms": {"median": 70, "max": 400}},
+        "pkg-stock-best": {"downtime_ms": {"median": 112, "max": 157}},
+        "pkg-thinvm-to-stock": {"downtime_ms": {"median": 60, "max": 102}},
+        "thinvm": {"downtime_ms": {"median": 4, "max": 7}},
+    }
+    verdicts = downtime_verdicts({"summary": summary, "params": {}})
+    assert sorted(verdicts) == ["128G-", "pkg-"]  # no stock-best beside "thinvm"
+    assert verdicts["128G-"] == DowntimeVerdict(15, 21, 290, 300)
+    assert not verdicts["pkg-"].met  # one run over the limit
 
 
 def test_a_rendered_record_states_the_verdict() -> None:

@@ -23,9 +23,9 @@ def cmd_status(write: bool) -> int:
     print(f"{len(verdicts) - len(bad)} of {len(verdicts)} cited figures hold")
     print("downtime rule, newest record of each migration scenario:")
     for name, path in results.latest_results(runner.RESULTS_DIR).items():
-        downtime = results.downtime_verdict(json.loads(path.read_text()))
-        if downtime is not None:
-            print(f"  {name} ({path.stem}): {downtime.describe()}")
+        for prefix, downtime in results.downtime_verdicts(json.loads(path.read_text())).items():
+            rows = f", {prefix}rows" if prefix else ""
+            print(f"  {name} ({path.stem}{rows}): {downtime.describe()}")
     return 1 if bad else 0
 
 

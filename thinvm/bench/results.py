@@ -196,17 +196,28 @@ def evaluate_targets(
     return evaluated
 
 
-def downtime_verdict(result: Mapping[str, Any]) -> DowntimeVerdict | None:
+def downtime_verdict(result: Mapping[str, Any], prefix: str = "") -> DowntimeVerdict | None:
     """The downtime rule (thinvm.vm.downtime) for a migration record with a
-    thinvm row and a stock-best row; None for any other record.  Judged
-    from the record alone, so older records are judged by it too."""
+    thinvm row and a stock-best row (PREFIXthinvm and PREFIXstock-best);
+    None for any other record.  Judged from the record alone, so older
+    records are judged by it too."""
     summary = result.get("summary", {})
-    ours = summary.get("thinvm", {}).get("downtime_ms")
-    stock = summary.get("stock-best", {}).get("downtime_ms")
+    ours = summary.get(f"{prefix}thinvm", {}).get("downtime_ms")
+    stock = summary.get(f"{prefix}stock-best", {}).get("downtime_ms")
     if not ours or not stock or ours.get("median") is None or stock.get("median") is None:
         return None
     limit = result.get("params", {}).get("downtime-limit", QEMU_DEFAULT_LIMIT_MS)
     return DowntimeVerdict(ours["median"], ours["max"], stock["median"], limit)
+
+
+def downtime_verdicts(result: Mapping[str, Any]) -> dict[str, DowntimeVerdict]:
+    """The downtime rule for every pair of rows a record holds: thinvm and
+    stock-best, and each prefixed pair (`128G-`, `pkg-`), by prefix."""
+    prefixes = {
+        row.removesuffix("thinvm") for row in result.get("summary", {}) if row.endswith("thinvm")
+    }
+    found = {p: downtime_verdict(result, p) for p in sorted(prefixes)}
+    return {p: v for p, v in found.items() if v is not None}
 
 
 def ratio(value: float, reference: float) -> float | None:
