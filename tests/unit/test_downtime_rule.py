@@ -52,3 +52,9 @@ def test_a_rendered_record_states_the_verdict() -> None:
     section = render_section(json.loads(path.read_text()), "img")
     assert "Downtime rule (thinvm.vm.downtime): thinvm 4 ms (worst 7 ms)" in section
     assert "= 51.2 ms, limit 300 ms: met." in section
+
+
+def test_a_rendered_record_judges_its_prefixed_rows() -> None:
+    path = REPO / "bench/results/migrate-scale-20261129T191428Z.json"
+    section = render_section(json.loads(path.read_text()), "img")
+    assert "Downtime rule (thinvm.vm.downtime) (128G- rows): thinvm 15 ms (worst 21 ms)" in section

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from thinvm.bench.quiet import run_was_quiet
-from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdict, verdict
+from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdicts, verdict
 from thinvm.units import GiB, MiB, format_size
 
 DASH = "\u2013"  # en dash, for ranges
@@ -377,9 +377,9 @@ def render_section(result: dict[str, Any], image_dir: str) -> str:
     if result.get("targets"):
         lines += ["", "Targets:", ""]
         lines += [render_target(t, result["summary"]) for t in result["targets"]]
-    downtime = downtime_verdict(result)
-    if downtime is not None:
-        lines += ["", f"Downtime rule (thinvm.vm.downtime): {downtime.describe()}."]
+    for prefix, downtime in downtime_verdicts(result).items():
+        rows = f" ({prefix} rows)" if prefix else ""
+        lines += ["", f"Downtime rule (thinvm.vm.downtime){rows}: {downtime.describe()}."]
     if failed:
         lines += ["", f"{len(failed)} run(s) failed and are left out of the table:"]
         lines += [f"- {r['variant']} run {r['run']}: {r['error']}" for r in failed]

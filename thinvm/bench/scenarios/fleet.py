@@ -227,7 +227,7 @@ def cluster_session(link: str) -> Iterator[None]:
             yield
         finally:
             for state in clusters.states.values():
-                hostcpus.unpin(list(state.hosts))
+                hostcpus.unpin(state.hosts)
             clusters.stack = None
             clusters.states.clear()
 
@@ -449,7 +449,7 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
             "TLS between the libvirtds and on QEMU's migration stream, the cluster's "
             "default, except for the `-plain` variants, which run on a second cluster "
             "made with `--no-tls`); each host of a pair on a CPU of its own (its cgroup's "
-            "cpuset: source 0, destination 1). "
+            f"cpuset: source {hostcpus.SOURCE_CPU}, destination {hostcpus.DESTINATION_CPU}). "
             f"A {format_size(size)} Debian 12 guest (disk image from guest/image/build-disk.sh, "
             f"kernel {opts.kernel}) writes {format_size(used)} of data, touches all but "
             f"{format_size(TOUCH_LEAVE)} of its free memory and frees it, optionally is "

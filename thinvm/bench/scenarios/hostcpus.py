@@ -6,6 +6,7 @@ pins nothing, so the cpuset is the one place the pairing can be set.
 """
 
 import contextlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from thinvm.fleet import hostcgroups
@@ -38,7 +39,7 @@ def pin_pair(src: Host, dst: Host) -> None:
     set_host_cpus(dst, DESTINATION_CPU)
 
 
-def unpin(hosts: list[Host]) -> None:
+def unpin(hosts: Iterable[Host]) -> None:
     """Every CPU back to each host (at the end of a benchmark's session)."""
     for h in hosts:
         with contextlib.suppress(OSError):
