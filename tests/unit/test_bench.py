@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from thinvm.bench import environment as bench_environment
 from thinvm.bench import probe as bench_probe
 from thinvm.bench import report as bench_report
 from thinvm.bench import results as bench_results
@@ -355,6 +356,19 @@ def test_result_records_references_and_targets() -> None:
     doc = bench_report.render_section(result, "../bench/results")
     assert "Targets:\n\n- 4x: fast / stock inflate time must be \u2264 \u00d70.25; " in doc
     assert doc.count("measured \u00d70.25: **met**.") == 1
+
+
+def test_a_record_made_without_warming_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THINVM_BENCH_WARM_HOST", "0")
+    assert bench_environment.host_warming_enabled() is False
+    cold = {**_result(), "environment": {**ENVIRONMENT, "host_warming": False}}
+    assert "free host memory not warmed (THINVM_BENCH_WARM_HOST=0)" in (
+        bench_report.machine_line(cold)
+    )
+    monkeypatch.delenv("THINVM_BENCH_WARM_HOST")
+    assert bench_environment.host_warming_enabled() is True
+    # Warm records, and those made before the fact was kept, say nothing.
+    assert "not warmed" not in bench_report.machine_line(_result())
 
 
 def test_render_target_not_met_and_not_measured() -> None:

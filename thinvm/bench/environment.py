@@ -42,6 +42,13 @@ def cpu_model(cpuinfo: str) -> str:
     return "unknown"
 
 
+def host_warming_enabled() -> bool:
+    """Whether scenarios warm free host memory before a consumer faults it
+    in (thinvm.bench.scenarios.transport); THINVM_BENCH_WARM_HOST=0 turns
+    it off to measure its effect, and the record must say so."""
+    return os.environ.get("THINVM_BENCH_WARM_HOST", "1") != "0"
+
+
 def host_environment() -> dict[str, Any]:
     """Facts about the host that decide what the numbers mean."""
     try:
@@ -63,6 +70,7 @@ def host_environment() -> dict[str, Any]:
         "thinvm_commit": _first_line(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown",
         "thinvm_dirty": bool(status),
         "python": platform.python_version(),
+        "host_warming": host_warming_enabled(),
     }
 
 

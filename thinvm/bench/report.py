@@ -260,8 +260,15 @@ def machine_line(result: dict[str, Any]) -> str:
         f"({_build_line(qemu, 'stock')}; {_build_line(qemu, 'patched')}); "
         f"guest kernel {env.get('guest_kernel')} ({package}{env.get('guest_driver')} "
         f"balloon driver unless a variant names another); thinvm {commit}; "
-        f"discard counter: {env.get('counter')}"
+        f"discard counter: {env.get('counter')}{_warming_note(env)}"
     )
+
+
+def _warming_note(env: dict[str, Any]) -> str:
+    """Records made before the fact was kept say nothing about it."""
+    if env.get("host_warming", True):
+        return ""
+    return "; free host memory not warmed (THINVM_BENCH_WARM_HOST=0)"
 
 
 def load_line(result: dict[str, Any]) -> str:
@@ -561,7 +568,8 @@ recorded result follows these rules (issue 19):
   `host_warm_s` records how long warming took (how cold the host was),
   `host_warm_unused_bytes` what the destination never took, and
   `host_fault_s_per_gib` what fresh memory cost during the run (a warm
-  host: ~0.1 s); `THINVM_BENCH_WARM_HOST=0` turns warming off.
+  host: ~0.1 s); `THINVM_BENCH_WARM_HOST=0` turns warming off,
+  and a record made so says it in its machine line (`host_warming`).
 
 Run a scenario with `thinvm bench SCENARIO [--size SIZE] [--runs N]
 [--variants a,b] [--param key=value]`; `thinvm bench --list` shows every

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.environment import host_warming_enabled
 from thinvm.bench.hostcost import FaultCostWatch
 from thinvm.bench.probe import VethLink, in_netns, veth_link
 from thinvm.bench.types import Metrics, RunContext
@@ -38,16 +39,11 @@ def warm_host(ctx: RunContext, populated: int) -> Metrics:
     `populated` bytes will fault in, and release it at once (a restore,
     which reads its file in well under the lab host's 2 s reporting delay;
     a migration keeps its reserve instead: warm_reserve)."""
-    if not _warming():
+    if not host_warming_enabled():
         return {"host_warmed_bytes": 0}
     ctx.step("warming free host memory")
     warmed, seconds = warm_free_memory(populated + WARM_MARGIN)
     return {"host_warmed_bytes": warmed, "host_warm_s": round(seconds, 3)}
-
-
-def _warming() -> bool:
-    """THINVM_BENCH_WARM_HOST=0 turns warming off (to measure its effect)."""
-    return os.environ.get("THINVM_BENCH_WARM_HOST", "1") != "0"
 
 
 # How often the reserve's feeder reads the destination's RSS.
@@ -65,7 +61,7 @@ def warm_reserve(ctx: RunContext, populated: int, consumer: VM) -> Iterator[Metr
     filled in when the context ends."""
     metrics: Metrics = {"host_warmed_bytes": 0}
     pid = consumer.pid
-    if not _warming() or pid is None:
+    if not host_warming_enabled() or pid is None:
         yield metrics
         return
     ctx.step("warming free host memory for the destination")
