@@ -292,7 +292,7 @@ def purge_thinvm_qemu(packaged: ClusterState, h: Host) -> None:
     ).stdout.split()  # fmt: skip
     assert left == [f"{h.rootfs}{cluster.APT_LIST}"], left
     # No unit of ours in the root (find above), no process of ours on the host.
-    for pid in cluster._netns_pids(h.netns):
+    for pid in cluster.netns_pids(h.netns):
         with contextlib.suppress(FileNotFoundError):
             exe = os.readlink(f"/proc/{pid}/exe").removeprefix(str(h.rootfs))
             assert "thinvm" not in exe, f"process {pid} runs {exe}"
@@ -652,7 +652,7 @@ def services_as_packaged(state: ClusterState, host: str, name: str) -> None:
     cluster.host_apt(state, host, "purge", "thinvm")
     for service in ("thinvm-balance.service", "thinvm-pool.service"):
         assert systemctl(state, host, "is-active", service) != "active", service
-    for pid in cluster._netns_pids(h.netns):
+    for pid in cluster.netns_pids(h.netns):
         with contextlib.suppress(FileNotFoundError):
             args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             assert b"thinvm balance" not in args, f"process {pid}: {args!r}"

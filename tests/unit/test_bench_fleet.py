@@ -11,7 +11,7 @@ from thinvm.bench.scenarios import fleet, fleet_ws, hostcpus
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
 from thinvm.bench.types import BenchOptions, Scenario
 from thinvm.errors import ThinvmError
-from thinvm.fleet import cluster, emulator, guest, migrate
+from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.guest import image as guest_image
 from thinvm.guest.agent import AGENT_PORT
 from thinvm.units import MiB
@@ -173,6 +173,47 @@ def test_fleet_working_set_workload_is_checked() -> None:
 def test_cpu_lists_parse_as_the_kernel_prints_them() -> None:
     assert hostcpus.cpu_list("0-2,4\n") == [0, 1, 2, 4]
     assert hostcpus.cpu_list("1") == [1]
+
+
+def test_a_host_without_cgroups_is_given_a_cpuset_holding_its_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fast cluster host runs libvirtd without cgroups; pinning it must
+    create its cpuset and move its namespace's processes there (the
+    FileNotFoundError every fast fleet-migrate row hit before)."""
+    root = tmp_path / "cgroup"
+    (root / "cpuset").mkdir(parents=True)
+    (root / "cpuset/cpuset.cpus").write_text("0-1\n")
+    (root / "cpuset/cpuset.mems").write_text("0\n")
+    monkeypatch.setattr(hostcgroups, "CGROUP_ROOT", root)
+    monkeypatch.setattr(cluster, "netns_pids", lambda ns: [101, 102] if ns == "tv-h1" else [])
+
+    def create(netns: str, names: list[str]) -> None:  # as cgroupfs's mkdir does
+        for path in hostcgroups.host_cgroups(netns, names).values():
+            path.mkdir(parents=True)
+            for knob in hostcgroups.CPUSET_INHERITED:
+                (path / knob).write_text((root / "cpuset" / knob).read_text())
+
+    monkeypatch.setattr(hostcgroups, "create", create)
+    h = cluster.Host("h1", 1, "10.0.0.1", "uuid", "patched", str(tmp_path / "h1"), "tv-h1")
+    written: list[str] = []
+    real_write = Path.write_text
+
+    def record(path: Path, text: str, *args: object, **kwargs: object) -> int:
+        if path.name == "cgroup.procs":
+            written.append(text.strip())
+            return len(text)
+        return real_write(path, text)
+
+    monkeypatch.setattr(Path, "write_text", record)
+    hostcpus.set_host_cpus(h, "1")
+    own = root / "cpuset" / hostcgroups.PARENT / "tv-h1"
+    assert written == ["101", "102"]
+    assert (own / "cpuset.cpus").read_text() == "1"
+    assert (own / "cpuset.mems").read_text().strip() == "0"
+    hostcpus.set_host_cpus(h, "0-1")  # the cgroup exists now: nobody is moved again
+    assert written == ["101", "102"]
+    assert (own / "cpuset.cpus").read_text() == "0-1"
 
 
 def test_a_leg_sums_migrations_and_keeps_the_worst_downtime() -> None:

@@ -898,7 +898,9 @@ def our_namespaces(root: Path) -> list[str]:
     return [n for n in names if mine.fullmatch(n)]
 
 
-def _netns_pids(ns: str) -> list[int]:
+def netns_pids(ns: str) -> list[int]:
+    """Every process in the network namespace `ns` (a host's daemons and
+    the QEMUs they started)."""
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
     return [int(p) for p in out.stdout.split() if p.isdigit()]
 
@@ -906,14 +908,14 @@ def _netns_pids(ns: str) -> list[int]:
 def _kill_all(ns: str, grace: float = 5.0) -> int:
     """SIGTERM every process in the namespace (all ours: libvirtd, QEMU),
     then SIGKILL what is left after `grace` seconds."""
-    pids = _netns_pids(ns)
+    pids = netns_pids(ns)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            pids = [p for p in _netns_pids(ns) if _alive(p)]
+            pids = [p for p in netns_pids(ns) if _alive(p)]
             if not pids:
                 return 0
             time.sleep(0.1)
@@ -973,7 +975,7 @@ def down(root: Path | None = None) -> list[str]:
 def machine_pid(h: Host, pid: int) -> int:
     """The machine's number of a process a systemd host knows as `pid`
     (its own PID namespace numbers it, e.g. in libvirt's pid files)."""
-    for candidate in _netns_pids(h.netns):
+    for candidate in netns_pids(h.netns):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{candidate}/status").read_text().splitlines():
                 if line.startswith("NSpid:"):

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from thinvm.fleet import hostcgroups
+from thinvm.fleet import cluster, hostcgroups
 from thinvm.fleet.cluster import Host
 
 # The source host's CPU and the destination host's.
@@ -17,7 +17,23 @@ SOURCE_CPU, DESTINATION_CPU = "0", "1"
 
 
 def _cpuset(h: Host) -> Path:
-    return hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"]
+    path = hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"]
+    if not path.is_dir():
+        _adopt(h)
+    return path
+
+
+def _adopt(h: Host) -> None:
+    """Give a host that runs without cgroups of its own (a cluster host
+    that is not packaged: its libvirtd has `cgroup_controllers = [ ]`) a
+    cpuset cgroup holding every process of its network namespace.  The
+    QEMUs its libvirtd starts later are born in it, so they keep its CPUs
+    whatever affinity libvirt gives them."""
+    hostcgroups.create(h.netns, ["cpuset"])
+    procs = hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"] / "cgroup.procs"
+    for pid in cluster.netns_pids(h.netns):
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            procs.write_text(f"{pid}\n")
 
 
 def set_host_cpus(h: Host, cpus: str) -> None:
