@@ -196,6 +196,9 @@ def test_a_host_without_cgroups_is_given_a_cpuset_holding_its_processes(
 
     monkeypatch.setattr(hostcgroups, "create", create)
     h = cluster.Host("h1", 1, "10.0.0.1", "uuid", "patched", str(tmp_path / "h1"), "tv-h1")
+    own = root / "cpuset" / hostcgroups.PARENT / "tv-h1"
+    hostcpus.unpin([h])  # never pinned (--unpinned): given no cgroup
+    assert not own.exists()
     written: list[str] = []
     real_write = Path.write_text
 
@@ -207,11 +210,10 @@ def test_a_host_without_cgroups_is_given_a_cpuset_holding_its_processes(
 
     monkeypatch.setattr(Path, "write_text", record)
     hostcpus.set_host_cpus(h, "1")
-    own = root / "cpuset" / hostcgroups.PARENT / "tv-h1"
     assert written == ["101", "102"]
     assert (own / "cpuset.cpus").read_text() == "1"
     assert (own / "cpuset.mems").read_text().strip() == "0"
-    hostcpus.set_host_cpus(h, "0-1")  # the cgroup exists now: nobody is moved again
+    hostcpus.unpin([h])  # the cgroup exists now: widened, nobody is moved again
     assert written == ["101", "102"]
     assert (own / "cpuset.cpus").read_text() == "0-1"
 

@@ -17,20 +17,17 @@ SOURCE_CPU, DESTINATION_CPU = "0", "1"
 
 
 def _cpuset(h: Host) -> Path:
-    path = hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"]
-    if not path.is_dir():
-        _adopt(h)
-    return path
+    return hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"]
 
 
-def _adopt(h: Host) -> None:
+def _adopt(h: Host, cpuset: Path) -> None:
     """Give a host that runs without cgroups of its own (a cluster host
     that is not packaged: its libvirtd has `cgroup_controllers = [ ]`) a
     cpuset cgroup holding every process of its network namespace.  The
     QEMUs its libvirtd starts later are born in it, so they keep its CPUs
     whatever affinity libvirt gives them."""
     hostcgroups.create(h.netns, ["cpuset"])
-    procs = hostcgroups.host_cgroups(h.netns, ["cpuset"])["cpuset"] / "cgroup.procs"
+    procs = cpuset / "cgroup.procs"
     for pid in cluster.netns_pids(h.netns):
         with contextlib.suppress(ProcessLookupError):  # exited meanwhile
             procs.write_text(f"{pid}\n")
@@ -41,6 +38,8 @@ def set_host_cpus(h: Host, cpus: str) -> None:
     the CPUs `cpus`.  cgroup v1 keeps a child's CPUs within its parent's:
     narrowing goes deepest first, widening top down."""
     top = _cpuset(h)
+    if not top.is_dir():
+        _adopt(h, top)
     tree = [top, *(d for d in top.rglob("*") if d.is_dir())]
     tree.sort(key=lambda d: len(d.parts))
     current = set(cpu_list((top / "cpuset.cpus").read_text()))
@@ -56,8 +55,11 @@ def pin_pair(src: Host, dst: Host) -> None:
 
 
 def unpin(hosts: Iterable[Host]) -> None:
-    """Every CPU back to each host (at the end of a benchmark's session)."""
+    """Every CPU back to each host (at the end of a benchmark's session);
+    a host never pinned has no cpuset to widen and is given none."""
     for h in hosts:
+        if not _cpuset(h).is_dir():
+            continue
         with contextlib.suppress(OSError):
             set_host_cpus(h, all_cpus())
 
