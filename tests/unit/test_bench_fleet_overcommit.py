@@ -3,10 +3,13 @@ each variant's domains get, and how the budget's slice is read."""
 
 from pathlib import Path
 
+import pytest
+
 from thinvm.bench.probe import MemoryCgroup
 from thinvm.bench.scenarios import fleet, fleet_overcommit
 from thinvm.bench.scenarios.fleet_overcommit import HOST_OF_BUILD, VARIANTS, SliceBudget
 from thinvm.bench.types import BenchOptions
+from thinvm.errors import ThinvmError
 from thinvm.guest import image as guest_image
 from thinvm.host.cgroups import CGROUP_FS
 from thinvm.units import MiB
@@ -50,3 +53,13 @@ def test_the_scenario_judges_thinvm_against_every_anchor() -> None:
     judged = {t.variant for t in scenario.targets}
     assert judged == {"reporting", "stock-reclaimer", "proxmox", "mom"}
     assert all(t.reference == "thinvm" and t.at_most == 1 / 1.5 for t in scenario.targets)
+
+
+def test_every_row_bounds_the_translation_cache_and_the_record_says_so() -> None:
+    scenario = fleet_overcommit.SPEC.build(BenchOptions())
+    assert scenario.params["tb_cache"] == "32.00 MiB"
+    assert "translation cache is bounded to 32.00 MiB" in scenario.description
+    wider = fleet_overcommit.SPEC.build(BenchOptions(params={"tb-cache": "64M"}))
+    assert wider.params["tb_cache"] == "64.00 MiB"
+    with pytest.raises(ThinvmError, match="translation cache"):
+        fleet_overcommit.SPEC.build(BenchOptions(params={"tb-cache": "1536K"}))

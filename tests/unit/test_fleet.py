@@ -499,3 +499,12 @@ def test_two_installs_of_one_image_at_once_both_succeed(
     assert nested == [image.directory]
     assert image.disk.read_bytes() == (built / "disk.qcow2").read_bytes()
     assert not list(image.directory.glob(".*"))  # no temporary file left
+
+
+def test_tcg_translation_cache_is_bounded_only_when_asked() -> None:
+    assert parse(spec()).find("features/tcg") is None
+    cache = parse(spec(tb_cache=32 * MiB)).find("features/tcg/tb-cache")
+    assert cache is not None and (cache.text, cache.get("unit")) == ("32", "MiB")
+    for bad in (512 * 1024, 32 * MiB + 1):
+        with pytest.raises(ThinvmError, match="translation cache"):
+            domain_xml(spec(tb_cache=bad))
