@@ -192,6 +192,11 @@ def test_processes_named_and_descends_from(tmp_path: Path) -> None:
     for pid, comm, ppid in ((10, "bash", 1), (11, "qemu-system-x86", 10), (12, "qemu-img", 1)):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "stat").write_text(_task_stat(pid, comm, 0, 0, ppid))
+    # A QEMU that exited and waits to be reaped is no QEMU running.
+    (tmp_path / "13").mkdir()
+    (tmp_path / "13" / "stat").write_text(
+        _task_stat(13, "qemu-system-x86", 0, 0, 1).replace(") S ", ") Z ")
+    )
     (tmp_path / "self").mkdir()
     assert procs.processes_named("qemu-system", tmp_path) == {11: 10}
     assert procs.descends_from(11, 10, tmp_path)

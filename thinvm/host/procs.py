@@ -244,11 +244,20 @@ def parse_stat_ppid(stat: str) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def parse_stat_state(stat: str) -> str:
+    """State letter (field 3 of proc(5)) from /proc/PID/stat text."""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def processes_named(prefix: str, proc: Path = Path("/proc")) -> dict[int, int]:
-    """pid -> parent pid of every process whose name (comm) starts with `prefix`.
+    """pid -> parent pid of every live process whose name (comm) starts
+    with `prefix`.
 
     comm holds at most 15 characters: "qemu-system-x86_64" shows as
-    "qemu-system-x86", so match on a prefix of that.
+    "qemu-system-x86", so match on a prefix of that.  A process that has
+    exited but is not yet reaped (zombie, dead) runs nothing and has no
+    command line left: it is not counted.  Orphans wait for this
+    machine's PID 1, which reaps them 1-2 s late.
     """
     found: dict[int, int] = {}
     for entry in proc.iterdir():
@@ -256,7 +265,8 @@ def processes_named(prefix: str, proc: Path = Path("/proc")) -> dict[int, int]:
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             stat = (entry / "stat").read_text()
-            if stat.partition("(")[2].startswith(prefix):
+            exited = parse_stat_state(stat) in ("Z", "X")
+            if stat.partition("(")[2].startswith(prefix) and not exited:
                 found[int(entry.name)] = parse_stat_ppid(stat)
     return found
 
