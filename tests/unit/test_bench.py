@@ -895,6 +895,24 @@ def test_one_vm_config_for_every_benchmark_guest() -> None:
     assert stacked.balloon == THINVM.balloon()
     with pytest.raises(ValueError):
         opts.vm_config("g", 1 * GiB, THINVM, reporting=True)
+    assert plain.append == ""
+
+
+def test_guest_append_reaches_every_own_guest_and_the_record() -> None:
+    """--guest-append init_on_alloc=0: one record of every variant under
+    the same guest arguments, saying so in its params."""
+    opts = BenchOptions(guest_append="init_on_alloc=0")
+    assert opts.vm_config("g", 1 * GiB, THINVM).append == "init_on_alloc=0"
+    scenario = bench_scenarios.SCENARIOS["migrate-scale"].build(opts)
+    assert scenario.params["guest_append"] == "init_on_alloc=0"
+    assert (
+        "guest_append"
+        not in bench_scenarios.SCENARIOS["migrate-scale"].build(BenchOptions()).params
+    )
+    # libvirt domains are not the harness's to boot: refused, not ignored.
+    for name in ("fleet-migrate", "fleet-overcommit", "fleet-working-set"):
+        with pytest.raises(ThinvmError, match="libvirt domains"):
+            bench_scenarios.SCENARIOS[name].build(opts)
 
 
 def test_the_sides_of_a_migration_split_the_cpus_in_two() -> None:

@@ -45,6 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quiet_load=args.quiet_load,
         quiet_wait=args.quiet_wait,
         pin_sides=not args.unpinned,
+        guest_append=_guest_append(args.guest_append),
     )
     return runner.main(
         args.scenario,
@@ -61,6 +62,13 @@ def _key_value(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise ThinvmError(f"--param {text!r}: use KEY=VALUE")
     return key, value
+
+
+def _guest_append(text: str) -> str:
+    """--guest-append: kernel arguments on one line, as QEMU's -append takes them."""
+    if any(c in text for c in "\n\r\0"):
+        raise ThinvmError("--guest-append: kernel arguments on one line")
+    return " ".join(text.split())
 
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -83,6 +91,13 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--accel", default="auto", help="auto, tcg or kvm")
     p.add_argument("--counter", default="auto", help="discard counter: auto, perf, strace")
     p.add_argument("--net", default="loopback", help="migrations over: loopback or veth")
+    p.add_argument(
+        "--guest-append",
+        default="",
+        metavar="ARGS",
+        help="kernel arguments for every guest the scenario boots, e.g. init_on_alloc=0 "
+        "(recorded in the record's parameters; not for the fleet scenarios' libvirt domains)",
+    )
     p.add_argument(
         "--unpinned",
         action="store_true",

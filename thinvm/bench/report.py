@@ -455,6 +455,13 @@ How to read the tables:
   `multifd-channels` 2 on both sides, for every variant alike (only the
   multifd variants use the channels); the downtime limit is QEMU's
   default (300 ms) unless a scenario's parameters say otherwise.
+- Guests boot with their kernel's defaults; Debian's zero every page they
+  allocate (`init_on_alloc=1`), also the free pages a hinting guest takes
+  to hint them, which under TCG dominates hinting's guest work.
+  `thinvm bench --guest-append ARGS` adds kernel arguments to every guest
+  a scenario boots (for example `init_on_alloc=0`) and the record lists
+  them as `guest_append`: compare its rows with a record made with the
+  same arguments only.
 - Since 2026-11-28 the source QEMU (the guest's vCPUs with it) and the
   destination QEMU of a migration run on CPUs of their own (each process's
   affinity, one CPU each on this 2-CPU machine), standing for two hosts,
@@ -487,7 +494,10 @@ recorded result follows these rules (issue 19):
   libvirtd: guests named `bench-*`), for at most `--quiet-wait` seconds
   (default 600); then the run starts anyway. While the run goes on it
   looks for other QEMU processes every 5 s (the load average is then the
-  run's own, so it is only recorded). A run is quiet when the gate was met
+  run's own, so it is only recorded). A QEMU that has exited and waits
+  to be reaped is not counted (on the fast cluster hosts, whose QEMUs this
+  machine's PID 1 adopts and reaps 1-2 s late, a migration's source
+  counted as another QEMU until 2026-11-30). A run is quiet when the gate was met
   at its start and no other QEMU appeared during it. Every run records
   what it saw; each section's load line states the gate that record ran
   with and how many runs were quiet, and a record with runs that were not

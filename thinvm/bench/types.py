@@ -183,6 +183,10 @@ class BenchOptions:
     # Migrations: the source (its guest's vCPUs with it) and the destination
     # on CPUs of their own (Transport, side_cpus), standing for two hosts.
     pin_sides: bool = True
+    # Kernel arguments added to every guest the harness boots itself (not
+    # libvirt domains), e.g. "init_on_alloc=0": one record of every
+    # variant under the same guest, recorded in its params.
+    guest_append: str = ""
 
     def vm_config(
         self,
@@ -215,4 +219,5 @@ class BenchOptions:
             reserve=reserve,
             balloon=stack.balloon() if stack else BalloonOptions(free_page_reporting=reporting),
             extra_args=list(GUEST_ARGS),
+            append=self.guest_append,
         )

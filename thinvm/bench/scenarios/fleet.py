@@ -512,6 +512,7 @@ def make_fleet_migrate(opts: BenchOptions, params: dict[str, str], size: int) ->
 
 # The registry entry, listed in thinvm.bench.scenarios.
 SPEC = ScenarioSpec(
+    own_guests=False,
     name=NAME,
     title="libvirt migration across a 10 Gbit/s cluster link: thinvm vs stock-best",
     make=make_fleet_migrate,

@@ -318,6 +318,7 @@ def description(plan: oc.Plan, tb_cache: int) -> str:
 
 
 SPEC = ScenarioSpec(
+    own_guests=False,
     name=NAME,
     title="overcommit with libvirt domains on a package-installed host",
     make=make_fleet_overcommit,

@@ -459,6 +459,7 @@ def targets() -> list[Target]:
 
 
 SPEC = ScenarioSpec(
+    own_guests=False,
     name=NAME,
     title="guests kept trimmed, moved by plain virsh between package-installed hosts",
     make=make_fleet_working_set,

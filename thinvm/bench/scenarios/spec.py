@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from thinvm.bench.scenarios.params import check_params
 from thinvm.bench.types import BenchOptions, Scenario
+from thinvm.errors import ThinvmError
 from thinvm.units import parse_size
 
 # Recorded results rest on at least this many interleaved runs of each
@@ -26,12 +27,20 @@ class ScenarioSpec:
     default_runs: int = 3
     params: dict[str, str] = field(default_factory=dict)
     todo: str = ""
+    # False: its guests are libvirt domains, which --guest-append cannot reach.
+    own_guests: bool = True
 
     def build(self, options: BenchOptions) -> Scenario:
         size = options.size or parse_size(self.default_size)
         params = check_params(self.params, options.params, self.name)
+        if options.guest_append and not self.own_guests:
+            raise ThinvmError(
+                f"{self.name}: its guests are libvirt domains; --guest-append does not reach them"
+            )
         scenario = self.make(options, params, size)
         scenario.params.setdefault("build", options.build)
+        if options.guest_append:
+            scenario.params["guest_append"] = options.guest_append
         return scenario
 
     @property
