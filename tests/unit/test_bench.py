@@ -202,6 +202,18 @@ def test_a_record_that_judges_no_target_does_not_displace_one_that_did(tmp_path:
     assert bench_results.latest_results(tmp_path)["overcommit"].stem.endswith("T160000Z")
 
 
+def test_a_record_with_other_guest_arguments_does_not_displace_the_default(
+    tmp_path: Path,
+) -> None:
+    def record(stamp: str, params: dict[str, str]) -> None:
+        data = {"params": params, "targets": [{"label": "x", "met": False}]}
+        (tmp_path / f"migrate-scale-{stamp}.json").write_text(json.dumps(data))
+
+    record("20261130T000000Z", {"build": "stock"})
+    record("20261130T010000Z", {"build": "stock", "guest_append": "init_on_alloc=0"})
+    assert bench_results.latest_results(tmp_path)["migrate-scale"].stem.endswith("T000000Z")
+
+
 def _scenario(**kwargs: Any) -> Scenario:
     calls: list[str] = []
 

@@ -239,9 +239,11 @@ def parse_result_name(filename: str) -> tuple[str, str] | None:
 
 def latest_results(directory: Path) -> dict[str, Path]:
     """The newest results JSON of every scenario found in directory that
-    measured its targets.  A record of a few rows only (an A/B of the time
-    reference, say) judges none of them and does not displace the record
-    that did; a scenario none of whose records measured a target is
+    measured its targets with the guests as they boot by default.  A
+    record of a few rows only (an A/B of the time reference, say) judges
+    none of them, and one whose guests booted with other kernel arguments
+    (`--guest-append`) is a variation of the scenario: neither displaces
+    the record that stands for it; a scenario with no such record is
     represented by its newest."""
     found: dict[str, list[tuple[str, Path]]] = {}
     if not directory.is_dir():
@@ -254,18 +256,22 @@ def latest_results(directory: Path) -> dict[str, Path]:
     latest = {}
     for scenario, records in sorted(found.items()):
         newest_first = [path for _, path in sorted(records, reverse=True)]
-        judged = (path for path in newest_first if not _judges_no_target(path))
-        latest[scenario] = next(judged, newest_first[0])
+        standing = (path for path in newest_first if _stands_for_its_scenario(path))
+        latest[scenario] = next(standing, newest_first[0])
     return latest
 
 
-def _judges_no_target(path: Path) -> bool:
-    """Whether the record has targets and measured none of them."""
+def _stands_for_its_scenario(path: Path) -> bool:
+    """Whether the record judged some of its targets (or has none) and
+    booted its guests with their default kernel arguments."""
     try:
-        targets = json.loads(path.read_text()).get("targets") or []
+        data = json.loads(path.read_text())
+        targets = data.get("targets") or []
+        varied = bool((data.get("params") or {}).get("guest_append"))
     except (OSError, ValueError, AttributeError):
-        return False
-    return bool(targets) and all(t.get("met") is None for t in targets)
+        return True
+    judged_none = bool(targets) and all(t.get("met") is None for t in targets)
+    return not judged_none and not varied
 
 
 REQUIRED_FIELDS = (
