@@ -214,6 +214,17 @@ def test_a_record_with_other_guest_arguments_does_not_displace_the_default(
     assert bench_results.latest_results(tmp_path)["migrate-scale"].stem.endswith("T000000Z")
 
 
+def test_a_one_pass_probe_does_not_displace_a_record_of_five(tmp_path: Path) -> None:
+    def record(stamp: str, runs: int) -> None:
+        data = {"runs_per_variant": runs, "targets": [{"label": "x", "met": True}]}
+        (tmp_path / f"fleet-overcommit-{stamp}.json").write_text(json.dumps(data))
+
+    record("20261129T065655Z", 5)
+    record("20261130T013000Z", 1)
+    latest = bench_results.latest_results(tmp_path)["fleet-overcommit"]
+    assert latest.stem.endswith("T065655Z")
+
+
 def _scenario(**kwargs: Any) -> Scenario:
     calls: list[str] = []
 

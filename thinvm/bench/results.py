@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.types import Best, Metric, Scenario, Target
+from thinvm.bench.types import MIN_RUNS, Best, Metric, Scenario, Target
 from thinvm.errors import ThinvmError
 from thinvm.paths import REPO
 from thinvm.vm.downtime import QEMU_DEFAULT_LIMIT_MS, DowntimeVerdict
@@ -239,12 +239,13 @@ def parse_result_name(filename: str) -> tuple[str, str] | None:
 
 def latest_results(directory: Path) -> dict[str, Path]:
     """The newest results JSON of every scenario found in directory that
-    measured its targets with the guests as they boot by default.  A
-    record of a few rows only (an A/B of the time reference, say) judges
-    none of them, and one whose guests booted with other kernel arguments
-    (`--guest-append`) is a variation of the scenario: neither displaces
-    the record that stands for it; a scenario with no such record is
-    represented by its newest."""
+    measured its targets with the guests as they boot by default, at
+    MIN_RUNS runs per variant.  A record of a few rows only (an A/B of the
+    time reference, say) judges none of them, one whose guests booted with
+    other kernel arguments (`--guest-append`) is a variation of the
+    scenario, and a one-pass probe has no spread: none displaces the record
+    that stands for it; a scenario with no such record is represented by
+    its newest."""
     found: dict[str, list[tuple[str, Path]]] = {}
     if not directory.is_dir():
         return {}
@@ -262,16 +263,18 @@ def latest_results(directory: Path) -> dict[str, Path]:
 
 
 def _stands_for_its_scenario(path: Path) -> bool:
-    """Whether the record judged some of its targets (or has none) and
-    booted its guests with their default kernel arguments."""
+    """Whether the record judged some of its targets (or has none),
+    booted its guests with their default kernel arguments and ran each
+    variant MIN_RUNS times (records that do not say count as such)."""
     try:
         data = json.loads(path.read_text())
         targets = data.get("targets") or []
         varied = bool((data.get("params") or {}).get("guest_append"))
-    except (OSError, ValueError, AttributeError):
+        runs = int(data.get("runs_per_variant") or MIN_RUNS)
+    except (OSError, ValueError, TypeError, AttributeError):
         return True
     judged_none = bool(targets) and all(t.get("met") is None for t in targets)
-    return not judged_none and not varied
+    return not judged_none and not varied and runs >= MIN_RUNS
 
 
 REQUIRED_FIELDS = (

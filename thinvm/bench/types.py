@@ -26,6 +26,11 @@ Metrics = dict[str, Metric]
 # merge, so the guest keeps the name thinvm gave it.
 GUEST_ARGS = ("-name", "debug-threads=on")
 
+# Recorded results rest on at least this many interleaved runs of each
+# variant (issue 19): fewer show no spread to judge a difference by.
+# --runs may ask for fewer (smoke tests, one-pass probes).
+MIN_RUNS = 5
+
 
 @dataclass
 class RunContext:

@@ -7,14 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from thinvm.bench.scenarios.params import check_params
-from thinvm.bench.types import BenchOptions, Scenario
+from thinvm.bench.types import MIN_RUNS, BenchOptions, Scenario
 from thinvm.errors import ThinvmError
 from thinvm.units import parse_size
 
-# Recorded results rest on at least this many interleaved runs of each
-# variant (issue 19): fewer show no spread to judge a difference by.
-# --runs may ask for fewer (smoke tests).
-MIN_RUNS = 5
+__all__ = ["MIN_RUNS", "ScenarioSpec"]
 
 
 @dataclass(frozen=True)
