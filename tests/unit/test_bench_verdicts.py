@@ -146,6 +146,18 @@ def test_foreign_qemu_count_leaves_out_our_own(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(quiet, "processes_named", lambda prefix: {10: 1, 11: 500, 12: 11})
     ours = {11, 12}  # 11 is our child, 12 its child
     monkeypatch.setattr(quiet, "descends_from", lambda pid, own: pid in ours)
+    monkeypatch.setattr(quiet, "read_cmdline", lambda pid: b"qemu-system-x86_64\0-m\0")
+    assert quiet.foreign_qemu_count(own=500) == 1
+
+
+def test_foreign_qemu_count_leaves_out_ours_under_libvirt_and_the_exited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(quiet, "processes_named", lambda prefix: {10: 1, 20: 1, 30: 1})
+    monkeypatch.setattr(quiet, "descends_from", lambda pid, own: False)
+    cmdlines = {10: b"qemu-system-x86_64\0-name\0guest=bench-a,debug-threads=on\0", 20: None}
+    monkeypatch.setattr(quiet, "read_cmdline", lambda pid: cmdlines.get(pid, b"qemu\0"))
+    # 10 is a benchmark cluster's guest, 20 exited after being listed: only 30 counts.
     assert quiet.foreign_qemu_count(own=500) == 1
 
 

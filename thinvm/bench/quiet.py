@@ -51,21 +51,32 @@ class Observation:
     other_qemu: int  # QEMU processes that are not the harness's own
 
 
-def is_benchmark_libvirt_guest(pid: int) -> bool:
+def read_cmdline(pid: int) -> bytes | None:
+    """A process's command line; None once it has exited.
+
+    An exiting process keeps its /proc entry for a moment with an empty
+    command line (a zombie has no address space to read it from).
+    """
     with contextlib.suppress(OSError):
-        return OWN_LIBVIRT_GUEST in Path(f"/proc/{pid}/cmdline").read_bytes()
-    return False
+        return Path(f"/proc/{pid}/cmdline").read_bytes() or None
+    return None
+
+
+def is_foreign_qemu(pid: int, own: int) -> bool:
+    if descends_from(pid, own):
+        return False
+    # Read after the ancestry walk: a QEMU that exits between being listed
+    # and being looked at (our cluster's guests do, at every run's end) has
+    # no command line left and is not counted as somebody else's.
+    cmdline = read_cmdline(pid)
+    return cmdline is not None and OWN_LIBVIRT_GUEST not in cmdline
 
 
 def foreign_qemu_count(own: int | None = None) -> int:
     """QEMU processes on the host that `own` (default: this process) did not
     start, directly or through a benchmark cluster's libvirtd."""
     own = os.getpid() if own is None else own
-    return sum(
-        1
-        for pid in processes_named(QEMU_PREFIX)
-        if not descends_from(pid, own) and not is_benchmark_libvirt_guest(pid)
-    )
+    return sum(1 for pid in processes_named(QEMU_PREFIX) if is_foreign_qemu(pid, own))
 
 
 def observe() -> Observation:
