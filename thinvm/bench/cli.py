@@ -46,6 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         quiet_wait=args.quiet_wait,
         pin_sides=not args.unpinned,
         guest_append=_guest_append(args.guest_append),
+        resume=args.resume,
     )
     return runner.main(
         args.scenario,
@@ -103,6 +104,13 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
         action="store_true",
         help="let a migration's source and destination share every CPU "
         "(default: each on CPUs of its own, as on two hosts)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="STEM",
+        help="finish an interrupted record (SCENARIO-STAMP, as its .runs.jsonl is named): "
+        "give the same command again; only the runs it lacks are made, and only if the "
+        "commit, builds, guest, parameters and gate are the same",
     )
     p.add_argument("--results", help="results directory (default bench/results)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")

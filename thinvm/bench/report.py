@@ -302,6 +302,9 @@ def _gate_text(result: dict[str, Any]) -> str:
     if watched:
         calm = sum(1 for s in watched if not s["other_qemu_during"])
         text += f"; {calm} of {len(watched)} saw no other QEMU while they ran"
+    sittings = result["load"].get("sittings")
+    if sittings:
+        text += f"; made in {len(sittings)} sittings (--resume), begun {', '.join(sittings)}"
     return text
 
 
@@ -507,7 +510,11 @@ recorded result follows these rules (issue 19):
   says so above its table. Records made before 2026-11-28 were gated at
   their start only.
 - **At least 5 runs per variant**, interleaved A B A B ..., unless `--runs`
-  asks for fewer (then the section shows the smaller count).
+  asks for fewer (then the section shows the smaller count). A record too
+  long for one sitting may be finished with `--resume STEM`: only the runs
+  it lacks are made, in the same order, and only with the same commit,
+  builds, guest, parameters and gate; its load line names each sitting's
+  start.
 - **Spread and verdict.** A ratio is a gain or a loss only when the two
   variants' min{dash}max ranges are apart, i.e. every run of one beat every
   run of the other. Where the ranges overlap, the table prints **no clear

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench import probe, report, scenarios
+from thinvm.bench import probe, report, resume, scenarios
 from thinvm.bench.environment import guest_environment, host_environment
 from thinvm.bench.quiet import Observation, QuietGate, RunWatch, wait_quiet
 from thinvm.bench.results import (
@@ -55,6 +55,10 @@ def alternation_order(variants: Sequence[str], runs: int) -> list[tuple[int, str
     return [(k, name) for k in range(1, runs + 1) for name in variants]
 
 
+def _stamp(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -65,21 +69,26 @@ def run_scenario(
     line: ProgressLine | None = None,
     gate: QuietGate = RECORD_ONLY,
     runs_log: Path | None = None,
+    earlier: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every variant `runs` times, alternately; returns (runs, load record).
 
     Each run waits for the quiet `gate` first (by default it only records
     what it sees).  Each finished run is appended to `runs_log` (JSON
     lines) at once: a record of an hour that is interrupted keeps what it
-    measured.
+    measured.  The (run, variant) pairs of `earlier` runs (an interrupted
+    record's, thinvm.bench.resume) are not run again.
     """
     order = alternation_order([v.name for v in scenario.variants], runs)
     by_name = {v.name: v for v in scenario.variants}
     line = line or ProgressLine(f"[bench {scenario.name}] ")
-    records: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = list(earlier)
+    done = {(int(r["run"]), str(r["variant"])) for r in earlier}
     load: dict[str, Any] = {"start": _loadavg(), "cpus": os.cpu_count()}
     with scenario.context() if scenario.context else nullcontext():
         for index, (k, name) in enumerate(order, 1):
+            if (k, name) in done:
+                continue
             head = f"run {k}/{runs} {name} [{index}/{len(order)}]"
             line.update(head, force=True)
             ctx = RunContext(
@@ -119,7 +128,7 @@ def _measure(
     record: dict[str, Any] = {
         "variant": variant.name,
         "run": ctx.run,
-        "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "started": _stamp(datetime.now(UTC)),
         "load_start": _loadavg(),
         "other_qemu": quiet["other_qemu"],
         "quiet": quiet,
@@ -191,20 +200,58 @@ def run(
     }
     environment["counter"] = probe.counter_backend(options.counter)
     start = time.monotonic()
-    stem = result_stem(name, created)
     results_dir.mkdir(parents=True, exist_ok=True)
-    runs_log = results_dir / f"{stem}.runs.jsonl"
+    began = _stamp(created)
+    started: dict[str, Any] = {
+        "created": began,
+        "command": list(command),
+        "scenario": name,
+        "params": scenario.params,
+        "variants": [v.name for v in scenario.variants],
+        "runs": runs,
+        "gate": gate.as_record(),
+        "environment": environment,
+        "sittings": [began],
+        "wall_seconds": 0.0,
+    }
+    earlier: list[dict[str, Any]] = []
+    if options.resume:
+        sitting = resume.load(results_dir, resume.stem_of(options.resume))
+        resume.check_same(sitting, started)
+        created, earlier = sitting.created, sitting.records
+        started.update(
+            created=sitting.start["created"],
+            command=sitting.start["command"],
+            sittings=[*sitting.start["sittings"], began],
+            # Lost if the sitting was killed outright: its runs' own time then.
+            wall_seconds=sitting.start.get("wall_seconds") or sum(r["seconds"] for r in earlier),
+            resumed_with=[*sitting.start.get("resumed_with", []), list(command)],
+        )
+    stem = result_stem(name, created)
+    runs_log = results_dir / f"{stem}{resume.RUNS_SUFFIX}"
+    resume.write_start(results_dir, stem, started)
     try:
-        records, load = run_scenario(scenario, runs, line, gate, runs_log)
+        records, load = run_scenario(scenario, runs, line, gate, runs_log, earlier)
     except BaseException:
+        started["wall_seconds"] += time.monotonic() - start
+        resume.write_start(results_dir, stem, started)
         if runs_log.exists():
             done = len(runs_log.read_text().splitlines())
-            print(f"interrupted: the {done} finished runs are in {runs_log}", file=sys.stderr)
+            print(
+                f"interrupted: the {done} finished runs are in {runs_log}; "
+                f"finish the record with the same command and --resume {stem}",
+                file=sys.stderr,
+            )
         raise
     load["gate"] = gate.as_record()
+    if len(started["sittings"]) > 1:
+        # Made in parts: when each part began, and the commands (the first
+        # is the record's "command").
+        load["sittings"] = started["sittings"]
+        load["resumed_with"] = started["resumed_with"]
     errors = [r["error"] for r in records if r.get("error")]
     if len(errors) == len(records):
-        runs_log.unlink(missing_ok=True)
+        resume.remove(results_dir, stem)
         raise ThinvmError(
             f"all {len(records)} runs of {name} failed, nothing written; first error: {errors[0]}"
         )
@@ -214,13 +261,13 @@ def run(
         created=created,
         environment=environment,
         load=load,
-        command=command,
-        wall_seconds=time.monotonic() - start,
+        command=started["command"],
+        wall_seconds=started["wall_seconds"] + time.monotonic() - start,
     )
     result["plot"] = f"{stem}.png"
     validate_result(result)
     path = write_result(result, results_dir, stem)
-    runs_log.unlink(missing_ok=True)
+    resume.remove(results_dir, stem)
     report.plot_result(result, results_dir / f"{stem}.png")
     if docs is not None:
         regenerate_docs(results_dir, docs, results_dir.parent / "notes.md")

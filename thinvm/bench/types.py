@@ -192,6 +192,8 @@ class BenchOptions:
     # libvirt domains), e.g. "init_on_alloc=0": one record of every
     # variant under the same guest, recorded in its params.
     guest_append: str = ""
+    # Finish an interrupted record (thinvm.bench.resume): its stem.
+    resume: str | None = None
 
     def vm_config(
         self,

@@ -1,0 +1,110 @@
+"""Finishing an interrupted record: `thinvm bench NAME ... --resume STEM`.
+
+A record of two hours (five overcommit passes) does not always fit in one
+sitting.  While it runs, the runner keeps what it started with in
+STEM.start.json beside the runs log (STEM.runs.jsonl): the scenario, its
+parameters, the variants, the runs per variant, the quiet gate and the
+environment (commit, QEMU builds, guest kernel, host).  A resumed record
+runs only the (run, variant) pairs the log does not hold yet, in the same
+alternating order, and refuses unless every one of those is what the
+interrupted record started with: runs measured with other code, another
+guest or another gate would not belong in one record.  The record keeps
+the time each sitting began, so a reader sees that it was made in parts.
+"""
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from thinvm.errors import ThinvmError
+
+RUNS_SUFFIX = ".runs.jsonl"
+START_SUFFIX = ".start.json"
+
+# What must be equal for runs of two sittings to stand in one record.
+SAME_KEYS = ("scenario", "params", "variants", "runs", "gate", "environment")
+
+
+@dataclass
+class Sitting:
+    """What a record started with, and the runs it has finished so far."""
+
+    stem: str
+    start: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @property
+    def created(self) -> datetime:
+        return datetime.strptime(self.start["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+    def done(self) -> set[tuple[int, str]]:
+        return {(int(r["run"]), str(r["variant"])) for r in self.records}
+
+
+def stem_of(text: str) -> str:
+    """The record's stem from what the user passed: a stem or either file's path."""
+    name = Path(text).name
+    for suffix in (RUNS_SUFFIX, START_SUFFIX, ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def write_start(directory: Path, stem: str, start: dict[str, Any]) -> Path:
+    path = directory / f"{stem}{START_SUFFIX}"
+    path.write_text(json.dumps(start, indent=1, default=str) + "\n")
+    return path
+
+
+def remove(directory: Path, stem: str) -> None:
+    """Once the record is written, its runs log and start file are in it."""
+    for suffix in (RUNS_SUFFIX, START_SUFFIX):
+        (directory / f"{stem}{suffix}").unlink(missing_ok=True)
+
+
+def load(directory: Path, stem: str) -> Sitting:
+    start_path = directory / f"{stem}{START_SUFFIX}"
+    runs_path = directory / f"{stem}{RUNS_SUFFIX}"
+    if not start_path.is_file():
+        raise ThinvmError(
+            f"--resume {stem}: no {start_path} (records started before --resume existed, "
+            "or already written, cannot be resumed)"
+        )
+    start = json.loads(start_path.read_text())
+    lines = runs_path.read_text().splitlines() if runs_path.is_file() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    return Sitting(stem, start, records)
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between the interrupted record's start and this one,
+    down to the environment's keys (e.g. 'environment.thinvm_commit')."""
+    found = []
+    for key in SAME_KEYS:
+        before, after = saved.get(key), _plain(now.get(key))
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            found += [
+                f"{key}.{k}: {before.get(k)!r} then, {after.get(k)!r} now"
+                for k in sorted(set(before) | set(after))
+                if before.get(k) != after.get(k)
+            ]
+        else:
+            found.append(f"{key}: {before!r} then, {after!r} now")
+    return found
+
+
+def check_same(sitting: Sitting, now: dict[str, Any]) -> None:
+    found = differences(sitting.start, now)
+    if found:
+        raise ThinvmError(
+            f"--resume {sitting.stem}: this sitting would not measure what the record "
+            "started with:\n  " + "\n  ".join(found)
+        )
+
+
+def _plain(value: Any) -> Any:
+    """As the start file stores it (tuples become lists, paths strings)."""
+    return json.loads(json.dumps(value, default=str))
