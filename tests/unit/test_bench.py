@@ -381,6 +381,30 @@ def test_result_records_references_and_targets() -> None:
     assert doc.count("measured \u00d70.25: **met**.") == 1
 
 
+def test_the_targets_table_lists_every_target_with_its_verdict() -> None:
+    targets = [
+        bench_types.Target("4x", "fast", "stock", "inflate_s", 0.25),
+        bench_types.Target("10x", "fast", "stock", "inflate_s", 0.1),
+        bench_types.Target("gone", "absent", "stock", "inflate_s", 1.0),
+    ]
+    scenario = _scenario(targets=targets)
+    runs, load = runner.run_scenario(scenario, 2, _Quiet())  # type: ignore[arg-type]
+    result = bench_results.build_result(
+        scenario, runs, created=WHEN, environment=ENVIRONMENT, load=load
+    )
+    result["plot"] = "inflate-20261121T170509Z.png"
+    table = bench_report.render_targets_table([result])
+    rows = [line for line in table if line.startswith("| inflate-")]
+    assert rows == [
+        "| inflate-20261121T170509Z, 2 runs | 4x | fast / stock inflate time | \u00d70.25 "
+        "| \u2264 \u00d70.25 | met |",
+        "| inflate-20261121T170509Z, 2 runs | 10x | fast / stock inflate time | \u00d70.25 "
+        "| \u2264 \u00d70.10 | **not met** |",
+        "| inflate-20261121T170509Z, 2 runs | gone | absent / stock inflate time | not measured "
+        "| \u2264 \u00d71.00 | \u2013 |",
+    ]
+
+
 def test_a_record_made_without_warming_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("THINVM_BENCH_WARM_HOST", "0")
     assert bench_environment.host_warming_enabled() is False

@@ -340,12 +340,17 @@ def render_target(target: dict[str, Any], summary: dict[str, Any] | None = None)
     if target.get("ratio") is None:
         return f"- {target['label']}: {what}; not measured in this run."
     met = "**met**" if target["met"] else "**not met**"
-    entries = [
-        (summary or {}).get(target[v], {}).get(target["metric"]) for v in ("variant", "reference")
-    ]
-    if entries[0] is not None and verdict(entries[0], entries[1]) == NO_CLEAR_DIFFERENCE:
+    if _ranges_overlap(target, summary or {}):
         met += f" (the ranges overlap: {NO_CLEAR_DIFFERENCE})"
     return f"- {target['label']}: {what}; measured {format_ratio(target['ratio'])}: {met}."
+
+
+def _ranges_overlap(target: dict[str, Any], summary: dict[str, Any]) -> bool:
+    """Whether the target's two rows' min..max ranges overlap."""
+    value, reference = (
+        summary.get(target[v], {}).get(target["metric"]) for v in ("variant", "reference")
+    )
+    return value is not None and verdict(value, reference) == NO_CLEAR_DIFFERENCE
 
 
 def render_params(params: dict[str, Any]) -> str:
@@ -633,18 +638,52 @@ def render_document(
             f"| [{entry.name}](#{_anchor(found, entry)}) | {entry.title} | "
             f"`{entry.command}` | {latest} |"
         )
+    known = {e.name for e in catalogue}
+    ordered = [by_name[e.name] for e in catalogue if e.name in by_name]
+    ordered += [r for r in results if r["scenario"] not in known]
+    parts += ["", *render_targets_table(ordered)]
     if notes:
         parts += ["", "## Observations", "", notes.strip()]
     todos = [e for e in catalogue if e.todo]
     if todos:
         parts += ["", "### Not implemented yet", ""]
         parts += [f"- **{e.name}**: {e.todo}" for e in todos]
-    known = {e.name for e in catalogue}
-    ordered = [by_name[e.name] for e in catalogue if e.name in by_name]
-    ordered += [r for r in results if r["scenario"] not in known]
     for result in ordered:
         parts += ["", render_section(result, image_dir)]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def render_targets_table(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Every target of every record shown here in one table: the list a
+    reader checks the headline ratios against, met or not."""
+    lines = [
+        "## Targets at a glance",
+        "",
+        "Each target of the records below, as its section states it: the ratio "
+        "of the two rows' medians, the bound, and the verdict (a target met or "
+        "missed while the two rows' ranges overlap says so).",
+        "",
+        "| record, runs per row | target | rows | measured | bound | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for target in result.get("targets", []):
+            lines.append(_target_row(result, target))
+    return lines
+
+
+def _target_row(result: dict[str, Any], target: dict[str, Any]) -> str:
+    record = Path(result.get("plot") or result["scenario"]).stem
+    stem = f"{record}, {result['runs_per_variant']} runs"
+    rows = f"{target['variant']} / {target['reference']} {metric_label(target['metric'])}"
+    bound = f"{LE} {format_ratio(target['at_most'])}"
+    if target.get("ratio") is None:
+        return f"| {stem} | {target['label']} | {rows} | not measured | {bound} | {DASH} |"
+    outcome = "met" if target["met"] else "**not met**"
+    if _ranges_overlap(target, result["summary"]):
+        outcome += f" ({NO_CLEAR_DIFFERENCE})"
+    measured = format_ratio(target["ratio"])
+    return f"| {stem} | {target['label']} | {rows} | {measured} | {bound} | {outcome} |"
 
 
 def _anchor(result: dict[str, Any] | None, entry: CatalogueEntry) -> str:
