@@ -30,6 +30,20 @@ def parse_size(text: str | int, default_unit: str = "m") -> int:
     return int(value)
 
 
+_RATE_UNIT = {"bit": 1, "kbit": 1000, "mbit": 1000**2, "gbit": 1000**3, "tbit": 1000**4}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> int:
+    """A link rate as tc writes it ("10gbit", "400mbit") in bits per second;
+    tc's bit units are decimal, as link speeds are."""
+    match = _RATE_RE.match(text)
+    if not match:
+        raise ThinvmError(f"cannot parse link rate {text!r}: use e.g. 10gbit or 400mbit")
+    number, unit = match.groups()
+    return int(float(number) * _RATE_UNIT[unit.lower()])
+
+
 def format_size(nbytes: float) -> str:
     """Human-readable binary size: 1.50 GiB, 512.0 MiB, 12.0 KiB."""
     sign = "-" if nbytes < 0 else ""

@@ -19,6 +19,7 @@ from thinvm.bench.scenarios import common, save, scale, transport
 from thinvm.bench.types import BenchOptions, RunContext, Scenario, Variant
 from thinvm.errors import ThinvmError
 from thinvm.units import GiB, MiB
+from thinvm.vm import migrate
 from thinvm.vm.stack import STOCK_BEST, THINVM, Stack
 
 WHEN = datetime(2026, 11, 21, 17, 5, 9, tzinfo=UTC)
@@ -980,3 +981,35 @@ def test_migrate_scale_of_one_size_still_judges_it_against_stock_best() -> None:
         ("128G-stock-best", "migration_ms"),
         ("128G-stock-best", "src_cpu_s"),
     ]
+
+
+def test_migrate_scale_over_a_shaped_link_is_judged_against_the_link() -> None:
+    options = BenchOptions(size=128 * GiB, params={"from": "128G"}, net="veth")
+    scenario = bench_scenarios.get("migrate-scale").build(options)
+    assert scenario.params["link"] == "10gbit"
+    link = scenario.targets[-1]
+    assert (link.variant, link.reference, link.metric, link.reference_metric) == (
+        "128G-thinvm",
+        "128G-thinvm",
+        "migration_ms",
+        "link_ms",
+    )
+    summary = {"128G-thinvm": {"migration_ms": {"median": 2600}, "link_ms": {"median": 2250}}}
+    (evaluated,) = bench_results.evaluate_targets(summary, [link])
+    assert evaluated["ratio"] == pytest.approx(2600 / 2250) and evaluated["met"] is True
+    line = bench_report.render_target(evaluated, summary)
+    assert "128G-thinvm migration time / 128G-thinvm link time for the bytes sent" in line
+    assert line.endswith("**met**.")  # a bound, not two rows: no overlap verdict
+
+
+def test_a_shaped_link_adds_its_time_for_the_bytes_sent() -> None:
+    link = bench_probe.VethLink("s", "d", "10.0.0.1", "10.0.0.2", "10gbit")
+    result = migrate.MigrationResult("completed", 1200, 20, 5, 1_250_000_000, 0, 0, 3, 1.3)
+    # 1.25 GB at 10 Gbit/s: one second, whatever the migration took.
+    assert transport.link_metrics(link, result) == {"link_ms": 1000.0}
+    assert transport.link_metrics(None, result) == {}
+
+
+def test_transport_refuses_a_rate_tc_would_not_read() -> None:
+    with pytest.raises(ThinvmError, match="link rate"):
+        transport.Transport("veth", "10G", pin=False)

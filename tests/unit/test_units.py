@@ -2,7 +2,7 @@ import pytest
 
 from thinvm.errors import ThinvmError
 from thinvm.host.memory import parse_meminfo
-from thinvm.units import GiB, KiB, MiB, format_size, parse_size
+from thinvm.units import GiB, KiB, MiB, format_size, parse_rate, parse_size
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,17 @@ def test_parse_meminfo() -> None:
     assert info["MemTotal"] == 2018764 * KiB
     assert info["MemFree"] == 123 * KiB
     assert info["HugePages_Total"] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [("10gbit", 10_000_000_000), ("400mbit", 400_000_000), ("1.5Gbit", 1_500_000_000)],
+)
+def test_parse_rate_reads_tc_rates_in_decimal_units(text: str, bits: int) -> None:
+    assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["10G", "fast", "10 gbps", ""])
+def test_parse_rate_refuses_what_tc_would_not_read_as_a_rate(text: str) -> None:
+    with pytest.raises(ThinvmError, match="link rate"):
+        parse_rate(text)

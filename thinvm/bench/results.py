@@ -180,7 +180,7 @@ def evaluate_targets(
     evaluated = []
     for target in targets:
         value = summary.get(target.variant, {}).get(target.metric)
-        reference = summary.get(target.reference, {}).get(target.metric)
+        reference = summary.get(target.reference, {}).get(target.reference_metric or target.metric)
         measured = (
             ratio(value["median"], reference["median"])
             if value is not None and reference is not None

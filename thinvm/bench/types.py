@@ -68,6 +68,9 @@ class Target:
 
     "thinvm at least 3x faster than stock-best" is
     Target(..., "thinvm", "stock-best", "migration_ms", at_most=1 / 3).
+    With `reference_metric` the reference's median of that metric is the
+    denominator: "within 1.3x of the link's time for the bytes sent" is
+    Target(..., "thinvm", "thinvm", "migration_ms", 1.3, reference_metric="link_ms").
     """
 
     label: str
@@ -75,6 +78,7 @@ class Target:
     reference: str
     metric: str
     at_most: float
+    reference_metric: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from thinvm.bench.types import Metrics, RunContext
 from thinvm.errors import ThinvmError
 from thinvm.host.cpus import side_cpus
 from thinvm.host.memory import WarmReserve, rss_bytes, warm_free_memory
-from thinvm.units import MiB
+from thinvm.units import MiB, parse_rate
 from thinvm.vm import migrate
 from thinvm.vm.machine import VM, VMConfig
 
@@ -105,6 +105,14 @@ def migration_metrics(result: migrate.MigrationResult) -> Metrics:
     }
 
 
+def link_metrics(link: VethLink | None, result: migrate.MigrationResult) -> Metrics:
+    """What a shaped link alone needs for the bytes QEMU sent: the floor no
+    migration of that many bytes can beat (none over loopback)."""
+    if link is None:
+        return {}
+    return {"link_ms": round(result.transferred * 8 / parse_rate(link.rate) * 1000, 1)}
+
+
 def progress_sample(info: dict[str, Any]) -> dict[str, Any]:
     """One `query-migrate` poll, compact: where a migration spends its time
     (pass by pass, live or stopped) shows in the runs' info as a timeline."""
@@ -139,6 +147,7 @@ class Transport:
     ) -> None:
         if kind not in ("loopback", "veth"):
             raise ThinvmError(f"unknown --net {kind!r}: choose loopback or veth")
+        parse_rate(rate)  # a clear error now, not after the first guest booted
         self.kind = kind
         self.rate = rate
         self.vm_class = vm_class
@@ -231,7 +240,9 @@ class Transport:
             migrate.wait_destination_running(dst)
             cpu.dst_done()
         dst.wait_agent(timeout=60)
-        return Migrated(result, {**cpu.metrics, **warm, **host_cost.metrics})
+        return Migrated(
+            result, {**cpu.metrics, **warm, **host_cost.metrics, **link_metrics(self.link, result)}
+        )
 
     def _incoming(self, dst: VM) -> str:
         """Let the destination listen; the URI the source connects to."""
