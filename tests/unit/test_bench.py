@@ -1013,3 +1013,23 @@ def test_a_shaped_link_adds_its_time_for_the_bytes_sent() -> None:
 def test_transport_refuses_a_rate_tc_would_not_read() -> None:
     with pytest.raises(ThinvmError, match="link rate"):
         transport.Transport("veth", "10G", pin=False)
+
+
+def test_records_the_readme_quotes_are_shown_besides_the_latest(tmp_path: Path) -> None:
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    older = {**_result(), "plot": "inflate-20261120T000000Z.png"}
+    latest = {**_result(), "plot": "inflate-20261121T170509Z.png"}
+    for record in (older, latest):
+        (results / f"{Path(record['plot']).stem}.json").write_text(json.dumps(record))
+    (tmp_path / "README.md").write_text(
+        "old 2 s <!-- cite inflate-20261120T000000Z stock inflate_s -->, "
+        "new 2 s <!-- cite inflate-20261121T170509Z stock inflate_s -->, "
+        "gone 1 s <!-- cite inflate-20250101T000000Z stock inflate_s -->\n"
+    )
+    cited = runner.readme_records(results, {"inflate-20261121T170509Z"})
+    assert [bench_report.record_stem(r) for r in cited] == ["inflate-20261120T000000Z"]
+    doc = bench_report.render_document([latest], [], image_dir="x", cited=cited)
+    assert "\n## Other records the README quotes\n" in doc
+    assert "\n### inflate-20261120T000000Z: balloon inflate\n" in doc
+    assert doc.count("\n## inflate: balloon inflate\n") == 1  # the latest keeps the anchor

@@ -35,12 +35,9 @@ class Sitting:
     start: dict[str, Any]
     records: list[dict[str, Any]]
 
-    @property
-    def created(self) -> datetime:
-        return datetime.strptime(self.start["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
-    def done(self) -> set[tuple[int, str]]:
-        return {(int(r["run"]), str(r["variant"])) for r in self.records}
+def parse_stamp(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def stem_of(text: str) -> str:
@@ -103,6 +100,35 @@ def check_same(sitting: Sitting, now: dict[str, Any]) -> None:
             f"--resume {sitting.stem}: this sitting would not measure what the record "
             "started with:\n  " + "\n  ".join(found)
         )
+
+
+def resumed(
+    directory: Path, text: str, started: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """This sitting's start record merged into the interrupted record's,
+    and the runs that record has; refuses a sitting that would measure
+    something else (check_same)."""
+    sitting = load(directory, stem_of(text))
+    check_same(sitting, started)
+    saved, earlier = sitting.start, sitting.records
+    merged = {
+        **started,
+        "created": saved["created"],
+        "command": saved["command"],
+        "sittings": [*saved["sittings"], *started["sittings"]],
+        # Lost if the sitting was killed outright: its runs' own time then.
+        "wall_seconds": saved.get("wall_seconds") or sum(r["seconds"] for r in earlier),
+        "resumed_with": [*saved.get("resumed_with", []), started["command"]],
+    }
+    return merged, earlier
+
+
+def sittings_record(started: dict[str, Any]) -> dict[str, Any]:
+    """For the record's load: when each sitting began and the commands that
+    resumed it (the first command is the record's own), if made in parts."""
+    if len(started["sittings"]) < 2:
+        return {}
+    return {"sittings": started["sittings"], "resumed_with": started["resumed_with"]}
 
 
 def _plain(value: Any) -> Any:

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench import probe, report, resume, scenarios
+from thinvm.bench import citations, probe, report, resume, scenarios
 from thinvm.bench.environment import guest_environment, host_environment
 from thinvm.bench.quiet import Observation, QuietGate, RunWatch, wait_quiet
 from thinvm.bench.results import (
@@ -171,10 +171,51 @@ def regenerate_docs(
         scenarios.catalogue(),
         image_dir=image_dir,
         notes=notes.read_text() if notes.is_file() else None,
+        cited=readme_records(directory, {report.record_stem(r) for r in results}),
     )
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
     return docs
+
+
+def readme_records(directory: Path, shown: set[str]) -> list[dict[str, Any]]:
+    """The records README.md (beside `directory`'s bench/) cites that are
+    not among `shown`, oldest first."""
+    readme = directory.parent.parent / "README.md"
+    if not readme.is_file():
+        return []
+    stems = {c.record for c in citations.citations_in(Path(readme.name), readme.read_text())}
+    records = []
+    for stem in sorted(stems - shown, key=lambda s: s.rsplit("-", 1)[-1]):
+        path = directory / f"{stem}.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            validate_result(data)
+            records.append(data)
+    return records
+
+
+def _start_record(
+    scenario: Scenario,
+    runs: int,
+    gate: QuietGate,
+    environment: dict[str, Any],
+    command: Sequence[str],
+    created: datetime,
+) -> dict[str, Any]:
+    """What a record starts with (thinvm.bench.resume keeps it beside the runs)."""
+    return {
+        "created": _stamp(created),
+        "command": list(command),
+        "scenario": scenario.name,
+        "params": scenario.params,
+        "variants": [v.name for v in scenario.variants],
+        "runs": runs,
+        "gate": gate.as_record(),
+        "environment": environment,
+        "sittings": [_stamp(created)],
+        "wall_seconds": 0.0,
+    }
 
 
 def run(
@@ -201,32 +242,11 @@ def run(
     environment["counter"] = probe.counter_backend(options.counter)
     start = time.monotonic()
     results_dir.mkdir(parents=True, exist_ok=True)
-    began = _stamp(created)
-    started: dict[str, Any] = {
-        "created": began,
-        "command": list(command),
-        "scenario": name,
-        "params": scenario.params,
-        "variants": [v.name for v in scenario.variants],
-        "runs": runs,
-        "gate": gate.as_record(),
-        "environment": environment,
-        "sittings": [began],
-        "wall_seconds": 0.0,
-    }
+    started = _start_record(scenario, runs, gate, environment, command, created)
     earlier: list[dict[str, Any]] = []
     if options.resume:
-        sitting = resume.load(results_dir, resume.stem_of(options.resume))
-        resume.check_same(sitting, started)
-        created, earlier = sitting.created, sitting.records
-        started.update(
-            created=sitting.start["created"],
-            command=sitting.start["command"],
-            sittings=[*sitting.start["sittings"], began],
-            # Lost if the sitting was killed outright: its runs' own time then.
-            wall_seconds=sitting.start.get("wall_seconds") or sum(r["seconds"] for r in earlier),
-            resumed_with=[*sitting.start.get("resumed_with", []), list(command)],
-        )
+        started, earlier = resume.resumed(results_dir, options.resume, started)
+        created = resume.parse_stamp(started["created"])
     stem = result_stem(name, created)
     runs_log = results_dir / f"{stem}{resume.RUNS_SUFFIX}"
     resume.write_start(results_dir, stem, started)
@@ -244,11 +264,7 @@ def run(
             )
         raise
     load["gate"] = gate.as_record()
-    if len(started["sittings"]) > 1:
-        # Made in parts: when each part began, and the commands (the first
-        # is the record's "command").
-        load["sittings"] = started["sittings"]
-        load["resumed_with"] = started["resumed_with"]
+    load.update(resume.sittings_record(started))
     errors = [r["error"] for r in records if r.get("error")]
     if len(errors) == len(records):
         resume.remove(results_dir, stem)
