@@ -58,8 +58,10 @@ def _run(results: Path, **options: Any) -> Path:
     )
 
 
-def _interrupted(monkeypatch: pytest.MonkeyPatch, results: Path, calls: list[str]) -> str:
-    _install(monkeypatch, calls, stop_at="a3")
+def _interrupted(
+    monkeypatch: pytest.MonkeyPatch, results: Path, calls: list[str], stop_at: str = "a3"
+) -> str:
+    _install(monkeypatch, calls, stop_at=stop_at)
     with pytest.raises(KeyboardInterrupt):
         _run(results)
     (log,) = results.glob("*.runs.jsonl")
@@ -86,6 +88,26 @@ def test_a_resumed_record_makes_only_the_runs_it_lacks(
         [data], bench_scenarios.catalogue(), image_dir="."
     )
     assert not list(tmp_path.glob("*.runs.jsonl")) and not list(tmp_path.glob("*.start.json"))
+
+
+def test_a_pass_the_interruption_cut_is_made_again_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overcommit's variants judge against the bar their pass's first row
+    set: a pass is never split between two sittings."""
+    calls: list[str] = []
+    stem = _interrupted(monkeypatch, tmp_path, calls, stop_at="b3")
+    assert calls == ["a1", "b1", "a2", "b2", "a3"]
+    _install(monkeypatch, calls, stop_at=None)
+    data = json.loads(_run(tmp_path, resume=stem).read_text())
+    assert calls[5:] == ["a3", "b3", "a4", "b4", "a5", "b5"]
+    assert sorted((r["variant"], r["run"]) for r in data["runs"]) == sorted(
+        (v, k) for v in "ab" for k in range(1, 6)
+    )
+    assert [(r["variant"], r["run"]) for r in data["load"]["cut_runs"]] == [("a", 3)]
+    assert "(1 run(s) of a pass an interruption cut made again)" in report.render_document(
+        [data], bench_scenarios.catalogue(), image_dir="."
+    )
 
 
 def test_resume_refuses_other_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

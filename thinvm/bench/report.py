@@ -306,6 +306,9 @@ def _gate_text(result: dict[str, Any]) -> str:
     sittings = result["load"].get("sittings")
     if sittings:
         text += f"; made in {len(sittings)} sittings (--resume), begun {', '.join(sittings)}"
+        again = len(result["load"].get("cut_runs", []))
+        if again:
+            text += f" ({again} run(s) of a pass an interruption cut made again)"
     return text
 
 
@@ -536,10 +539,11 @@ recorded result follows these rules (issue 19):
   their start only.
 - **At least 5 runs per variant**, interleaved A B A B ..., unless `--runs`
   asks for fewer (then the section shows the smaller count). A record too
-  long for one sitting may be finished with `--resume STEM`: only the runs
-  it lacks are made, in the same order, and only with the same commit,
-  builds, guest, parameters and gate; its load line names each sitting's
-  start.
+  long for one sitting may be finished with `--resume STEM`: only the
+  passes it lacks are made, in the same order, and only with the same
+  commit, builds, guest, parameters and gate; a pass the interruption cut
+  is made again whole (a pass may carry state from variant to variant,
+  such as overcommit's time bar); its load line names each sitting's start.
 - **Spread and verdict.** A ratio is a gain or a loss only when the two
   variants' min{dash}max ranges are apart, i.e. every run of one beat every
   run of the other. Where the ranges overlap, the table prints **no clear

@@ -5,11 +5,15 @@ sitting.  While it runs, the runner keeps what it started with in
 STEM.start.json beside the runs log (STEM.runs.jsonl): the scenario, its
 parameters, the variants, the runs per variant, the quiet gate and the
 environment (commit, QEMU builds, guest kernel, host).  A resumed record
-runs only the (run, variant) pairs the log does not hold yet, in the same
-alternating order, and refuses unless every one of those is what the
-interrupted record started with: runs measured with other code, another
-guest or another gate would not belong in one record.  The record keeps
-the time each sitting began, so a reader sees that it was made in parts.
+runs only the passes the log does not hold whole, in the same alternating
+order, and refuses unless every one of those is what the interrupted
+record started with: runs measured with other code, another guest or
+another gate would not belong in one record.  A pass (run k of every
+variant) is made in one sitting: the runs of a pass the interruption cut
+are made again, since a scenario may carry state from one variant to the
+next within a pass (overcommit's time bar comes from the pass's
+unconstrained run).  The record keeps the time each sitting began, so a
+reader sees that it was made in parts.
 """
 
 import json
@@ -102,23 +106,40 @@ def check_same(sitting: Sitting, now: dict[str, Any]) -> None:
         )
 
 
+def whole_passes(records: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
+    """The runs of the passes that hold every variant."""
+    seen: dict[int, set[str]] = {}
+    for record in records:
+        seen.setdefault(int(record["run"]), set()).add(str(record["variant"]))
+    whole = {k for k, names in seen.items() if names >= set(variants)}
+    return [r for r in records if int(r["run"]) in whole]
+
+
 def resumed(
     directory: Path, text: str, started: dict[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """This sitting's start record merged into the interrupted record's,
-    and the runs that record has; refuses a sitting that would measure
+    and the runs of the passes that record holds whole (the runs log is
+    rewritten to hold only those); refuses a sitting that would measure
     something else (check_same)."""
     sitting = load(directory, stem_of(text))
     check_same(sitting, started)
-    saved, earlier = sitting.start, sitting.records
+    saved = sitting.start
+    earlier = whole_passes(sitting.records, saved["variants"])
+    cut = [r for r in sitting.records if r not in earlier]
+    runs_log = directory / f"{sitting.stem}{RUNS_SUFFIX}"
+    runs_log.write_text("".join(json.dumps(r, default=str) + "\n" for r in earlier))
     merged = {
         **started,
         "created": saved["created"],
         "command": saved["command"],
         "sittings": [*saved["sittings"], *started["sittings"]],
         # Lost if the sitting was killed outright: its runs' own time then.
-        "wall_seconds": saved.get("wall_seconds") or sum(r["seconds"] for r in earlier),
+        "wall_seconds": saved.get("wall_seconds") or sum(r["seconds"] for r in sitting.records),
         "resumed_with": [*saved.get("resumed_with", []), started["command"]],
+        # Measured, then made again with the rest of their pass: kept, not
+        # counted in the summary.
+        "cut_runs": [*saved.get("cut_runs", []), *cut],
     }
     return merged, earlier
 
@@ -128,7 +149,12 @@ def sittings_record(started: dict[str, Any]) -> dict[str, Any]:
     resumed it (the first command is the record's own), if made in parts."""
     if len(started["sittings"]) < 2:
         return {}
-    return {"sittings": started["sittings"], "resumed_with": started["resumed_with"]}
+    return {
+        "sittings": started["sittings"],
+        "resumed_with": started["resumed_with"],
+        # Runs of passes an interruption cut, measured and then made again.
+        "cut_runs": started["cut_runs"],
+    }
 
 
 def _plain(value: Any) -> Any:
