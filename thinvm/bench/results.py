@@ -227,6 +227,13 @@ def ratio(value: float, reference: float) -> float | None:
     return value / reference
 
 
+ISO_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a record's "created", a run's "started"
+
+
+def iso_stamp(when: datetime) -> str:
+    return when.astimezone(UTC).strftime(ISO_FORMAT)
+
+
 def result_stem(scenario: str, when: datetime) -> str:
     return f"{scenario}-{when.astimezone(UTC).strftime(STAMP_FORMAT)}"
 
@@ -331,7 +338,7 @@ def build_result(
         "scenario": scenario.name,
         "title": scenario.title,
         "description": scenario.description,
-        "created": created.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": iso_stamp(created),
         "command": list(command),
         "params": scenario.params,
         "variants": [

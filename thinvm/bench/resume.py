@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from thinvm.bench.results import ISO_FORMAT
 from thinvm.errors import ThinvmError
 
 RUNS_SUFFIX = ".runs.jsonl"
@@ -41,7 +42,7 @@ class Sitting:
 
 
 def parse_stamp(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    return datetime.strptime(text, ISO_FORMAT).replace(tzinfo=UTC)
 
 
 def stem_of(text: str) -> str:

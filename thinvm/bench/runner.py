@@ -28,6 +28,7 @@ from thinvm.bench.results import (
     NOTES_PATH,
     RESULTS_DIR,
     build_result,
+    iso_stamp,
     latest_results,
     load_results,
     result_stem,
@@ -53,10 +54,6 @@ def alternation_order(variants: Sequence[str], runs: int) -> list[tuple[int, str
     if not variants:
         raise ThinvmError("no variants to run")
     return [(k, name) for k in range(1, runs + 1) for name in variants]
-
-
-def _stamp(when: datetime) -> str:
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _loadavg() -> list[float]:
@@ -128,7 +125,7 @@ def _measure(
     record: dict[str, Any] = {
         "variant": variant.name,
         "run": ctx.run,
-        "started": _stamp(datetime.now(UTC)),
+        "started": iso_stamp(datetime.now(UTC)),
         "load_start": _loadavg(),
         "other_qemu": quiet["other_qemu"],
         "quiet": quiet,
@@ -205,7 +202,7 @@ def _start_record(
 ) -> dict[str, Any]:
     """What a record starts with (thinvm.bench.resume keeps it beside the runs)."""
     return {
-        "created": _stamp(created),
+        "created": iso_stamp(created),
         "command": list(command),
         "scenario": scenario.name,
         "params": scenario.params,
@@ -213,7 +210,7 @@ def _start_record(
         "runs": runs,
         "gate": gate.as_record(),
         "environment": environment,
-        "sittings": [_stamp(created)],
+        "sittings": [iso_stamp(created)],
         "wall_seconds": 0.0,
     }
 
