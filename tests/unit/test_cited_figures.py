@@ -81,7 +81,7 @@ def test_a_citation_that_cannot_hold_is_broken(tmp_path: Path) -> None:
         " words <!-- cite rec-1 thinvm migration_ms -->\n",
     )
     problems = [v.problem for v in citations.check_all(root)]
-    assert "must cite the field 'ratio'" in problems[0]
+    assert "must cite the field 'ratio' or 'target'" in problems[0]
     assert "no record" in problems[1]
     assert "cannot cite migration_ms" in problems[2]
     assert "no figure" in problems[3]
@@ -113,3 +113,38 @@ def test_a_sweep_count_is_summarized_over_the_runs_that_reached_it(tmp_path: Pat
     assert [v.ok for v in verdicts[:4]] == [True] * 4, citations.report(verdicts)
     assert "no mom run measured work_max_s at 4" in verdicts[4].problem
     assert "a sweep count has no ratio" in verdicts[5].problem
+
+
+def test_a_target_is_named_by_its_rows_and_metrics(tmp_path: Path) -> None:
+    root = make_tree(
+        tmp_path,
+        "x1.12 <!-- cite rec-t big-thinvm migration_ms/link_ms target -->;"
+        " x0.40 <!-- cite rec-t big-thinvm/big-stock-best migration_ms target -->;"
+        " x0.4 <!-- cite rec-t big-thinvm migration_ms target -->;"
+        " x0.24 <!-- cite rec-t big-thinvm src_cpu_s target -->;"
+        " x0.5 <!-- cite rec-t big-thinvm downtime_ms target -->\n",
+    )
+
+    def target(
+        reference: str, metric: str, ratio: float | None, other: str | None = None
+    ) -> dict[str, object]:
+        return {
+            "variant": "big-thinvm",
+            "reference": reference,
+            "metric": metric,
+            "reference_metric": other,
+            "ratio": ratio,
+        }
+
+    targets = [
+        target("big-thinvm", "migration_ms", 1.118, "link_ms"),
+        target("big-stock-best", "migration_ms", 0.398),
+        target("big-small", "migration_ms", 0.9),
+        target("big-stock-best", "src_cpu_s", None),
+    ]
+    (root / "bench" / "results" / "rec-t.json").write_text(json.dumps({"targets": targets}))
+    verdicts = citations.check_all(root)
+    assert [v.ok for v in verdicts[:2]] == [True, True], citations.report(verdicts)
+    assert "names 2 targets, not one" in verdicts[2].problem
+    assert "the target was not measured" in verdicts[3].problem
+    assert "names 0 targets, not one" in verdicts[4].problem

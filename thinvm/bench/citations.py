@@ -21,6 +21,13 @@ that reached it (median, min or max; no ratio):
 
     3.31 s <!-- cite overcommit-20261129T130213Z thinvm work_max_s@4 min -->
 
+The field `target` reads the measured ratio of one of the record's
+Targets instead, the row and metric naming it: `VARIANT[/REFERENCE]` and
+`METRIC[/REFERENCE_METRIC]` (a bound on another metric of the row, such
+as the link's own time); exactly one target must match:
+
+    x1.12 <!-- cite migrate-scale-20261130T044752Z 128G-thinvm migration_ms/link_ms target -->
+
 `thinvm bench status` checks every citation; `--write` rewrites each
 figure from its record, keeping its unit and decimals.  tests/unit/
 test_cited_figures.py fails on a citation whose record does not hold it.
@@ -35,7 +42,9 @@ from typing import Any
 from thinvm.bench.results import summarize
 from thinvm.errors import ThinvmError
 
-FIELDS = ("median", "min", "max", "ratio")
+FIELDS = ("median", "min", "max", "ratio", "target")
+# The fields a ratio (x) is written for.
+RATIO_FIELDS = ("ratio", "target")
 CITE_RE = re.compile(r"<!--\s*cite\s+([^>]*?)\s*-->")
 # The figure right before a citation: an optional ratio sign, a number,
 # an optional unit, then only spaces or markdown emphasis.
@@ -152,11 +161,35 @@ def sweep_summary(record: dict[str, Any], citation: Citation) -> dict[str, Any]:
     return stats
 
 
+def _matches(target: dict[str, Any], citation: Citation) -> bool:
+    variant, _, reference = citation.row.partition("/")
+    metric, _, reference_metric = citation.metric.partition("/")
+    return (
+        target.get("variant") == variant
+        and reference in ("", target.get("reference"))
+        and target.get("metric") == metric
+        and (target.get("reference_metric") or "") == reference_metric
+    )
+
+
+def target_ratio(record: dict[str, Any], citation: Citation) -> float:
+    """The measured ratio of the one target the citation names."""
+    found = [t for t in record.get("targets", []) if _matches(t, citation)]
+    what = f"{citation.record}: {citation.row} {citation.metric}"
+    if len(found) != 1:
+        raise ThinvmError(f"{what} names {len(found)} targets, not one")
+    if found[0].get("ratio") is None:
+        raise ThinvmError(f"{what}: the target was not measured")
+    return float(found[0]["ratio"])
+
+
 def record_value(results: Path, citation: Citation) -> float:
     path = results / f"{citation.record}.json"
     if not path.is_file():
         raise ThinvmError(f"no record {path}")
     record = json.loads(path.read_text())
+    if citation.field == "target":
+        return target_ratio(record, citation)
     if split_sweep(citation.metric)[1] is not None:
         return float(sweep_summary(record, citation)[citation.field])
     summary = record.get("summary", {})
@@ -177,8 +210,8 @@ def check(citation: Citation, results: Path) -> Verdict:
     figure = figure_before(citation.figure)
     if not citation.figure or figure is None:
         return Verdict(citation, None, "no figure right before the citation")
-    if figure.group("sign") and citation.field != "ratio":
-        return Verdict(citation, None, "a ratio (x) must cite the field 'ratio'")
+    if figure.group("sign") and citation.field not in RATIO_FIELDS:
+        return Verdict(citation, None, "a ratio (x) must cite the field 'ratio' or 'target'")
     try:
         value = record_value(results, citation)
         expected = render(value, figure, citation.metric)

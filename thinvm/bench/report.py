@@ -508,8 +508,10 @@ How to read the tables:
 - A figure in README.md, docs/ or bench/notes.md that comes from a record
   is followed by a citation naming the record, row, metric and field
   (an HTML comment `cite RECORD ROW METRIC [median|min|max|ratio]`,
-  invisible in the rendered page). `thinvm bench status` checks every one against its
-  record (`--write` rewrites the figures from the records), and the unit
+  invisible in the rendered page; a target's measured ratio is cited as
+  `cite RECORD VARIANT[/REFERENCE] METRIC[/REFERENCE_METRIC] target`).
+  `thinvm bench status` checks every one against its record (`--write`
+  rewrites the figures from the records), and the unit
   test `test_cited_figures.py` fails on a figure its record does not hold
   and on a record named anywhere that does not exist.
 
