@@ -107,13 +107,18 @@ def check_same(sitting: Sitting, now: dict[str, Any]) -> None:
         )
 
 
-def whole_passes(records: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
-    """The runs of the passes that hold every variant."""
+def split_passes(
+    records: list[dict[str, Any]], variants: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The runs of the passes that hold every variant, and the others (the
+    runs of a pass an interruption cut)."""
     seen: dict[int, set[str]] = {}
     for record in records:
         seen.setdefault(int(record["run"]), set()).add(str(record["variant"]))
     whole = {k for k, names in seen.items() if names >= set(variants)}
-    return [r for r in records if int(r["run"]) in whole]
+    kept = [r for r in records if int(r["run"]) in whole]
+    cut = [r for r in records if int(r["run"]) not in whole]
+    return kept, cut
 
 
 def resumed(
@@ -126,8 +131,7 @@ def resumed(
     sitting = load(directory, stem_of(text))
     check_same(sitting, started)
     saved = sitting.start
-    earlier = whole_passes(sitting.records, saved["variants"])
-    cut = [r for r in sitting.records if r not in earlier]
+    earlier, cut = split_passes(sitting.records, saved["variants"])
     runs_log = directory / f"{sitting.stem}{RUNS_SUFFIX}"
     runs_log.write_text("".join(json.dumps(r, default=str) + "\n" for r in earlier))
     merged = {
