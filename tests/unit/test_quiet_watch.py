@@ -3,7 +3,7 @@
 import time
 from typing import Any
 
-from thinvm.bench.quiet import RunWatch, run_was_quiet
+from thinvm.bench.quiet import RunWatch, gate_watched, run_was_quiet
 from thinvm.bench.report import quiet_warning
 
 
@@ -33,3 +33,12 @@ def test_a_record_with_noisy_runs_says_so_above_its_table() -> None:
     assert quiet_warning(result(calm, calm)) is None
     warning = quiet_warning(result(calm, {"quiet": True, "other_qemu_during": 1}))
     assert warning is not None and "1 of 2 runs" in warning
+
+
+def test_a_record_made_before_the_watch_is_marked_in_the_scenario_table() -> None:
+    watched = result({"quiet": True, "other_qemu_during": 0})
+    at_start = result({"quiet": True})
+    ungated = {"load": {}, "runs": [{"quiet": {"quiet": True}}]}
+    assert gate_watched(watched) == ""
+    assert gate_watched(at_start) == "quiet gate at each run's start only"
+    assert gate_watched(ungated) == "no quiet gate"

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from thinvm.host.procs import descends_from, processes_named
 
@@ -157,3 +158,15 @@ def run_was_quiet(quiet: dict[str, object]) -> bool:
     """A run's record: quiet at its start, and no other QEMU during it
     (records made before the watch count by their start alone)."""
     return bool(quiet.get("quiet")) and not quiet.get("other_qemu_during")
+
+
+def gate_watched(result: dict[str, Any]) -> str:
+    """How a record's runs were kept quiet, for its line in the scenario
+    table: the rules of issue 48 watch the machine during each run, so a
+    record made before the watch, or with no gate at all, says so."""
+    seen = [r["quiet"] for r in result.get("runs", []) if "quiet" in r]
+    if not result.get("load", {}).get("gate") or not seen:
+        return "no quiet gate"
+    if all("other_qemu_during" in s for s in seen):
+        return ""
+    return "quiet gate at each run's start only"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.quiet import run_was_quiet
+from thinvm.bench.quiet import gate_watched, run_was_quiet
 from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdicts, verdict
 from thinvm.units import GiB, MiB, format_size
 
@@ -663,6 +663,9 @@ def render_document(
     for entry in catalogue:
         found = by_name.get(entry.name)
         latest = found["created"] if found else "not run yet"
+        older_rules = gate_watched(found) if found else ""
+        if older_rules:
+            latest += f" ({older_rules}: before the rules)"
         parts.append(
             f"| [{entry.name}](#{_anchor(found, entry)}) | {entry.title} | "
             f"`{entry.command}` | {latest} |"
