@@ -160,11 +160,17 @@ def run_was_quiet(quiet: dict[str, object]) -> bool:
     return bool(quiet.get("quiet")) and not quiet.get("other_qemu_during")
 
 
+def gate_records(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the quiet gate recorded for each of a record's runs (none for
+    records made before the gate)."""
+    return [r["quiet"] for r in result.get("runs", []) if "quiet" in r]
+
+
 def gate_watched(result: dict[str, Any]) -> str:
     """How a record's runs were kept quiet, for its line in the scenario
     table: the rules of issue 48 watch the machine during each run, so a
     record made before the watch, or with no gate at all, says so."""
-    seen = [r["quiet"] for r in result.get("runs", []) if "quiet" in r]
+    seen = gate_records(result)
     if not result.get("load", {}).get("gate") or not seen:
         return "no quiet gate"
     if all("other_qemu_during" in s for s in seen):

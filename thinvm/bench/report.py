@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thinvm.bench.quiet import gate_watched, run_was_quiet
+from thinvm.bench.quiet import gate_records, gate_watched, run_was_quiet
 from thinvm.bench.results import NO_CLEAR_DIFFERENCE, downtime_verdicts, verdict
 from thinvm.units import GiB, MiB, format_size
 
@@ -289,7 +289,7 @@ def load_line(result: dict[str, Any]) -> str:
 def _gate_text(result: dict[str, Any]) -> str:
     """What the quiet gate saw, for results recorded with one."""
     gate = result["load"].get("gate")
-    seen = [r["quiet"] for r in result["runs"] if "quiet" in r]
+    seen = gate_records(result)
     if not gate or not seen:
         return ""
     waited = [s["waited_s"] for s in seen]
@@ -314,7 +314,7 @@ def _gate_text(result: dict[str, Any]) -> str:
 
 def quiet_warning(result: dict[str, Any]) -> str | None:
     """A line above the table of a record with runs that were not quiet."""
-    seen = [r["quiet"] for r in result["runs"] if "quiet" in r]
+    seen = gate_records(result)
     noisy = [s for s in seen if not run_was_quiet(s)]
     if not result["load"].get("gate") or not noisy:
         return None
