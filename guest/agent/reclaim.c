@@ -135,6 +135,8 @@ struct reclaimer {
 	long long held_us;	/* when it was last read afresh */
 	uint64_t learned_floor;	/* see learn(); 0 if none */
 	long long learned_us;	/* when learned_floor was last raised */
+	uint64_t counted_refaults;	/* refaults learn() has seen, see */
+	long long counted_us;		/* learn_slow_refaults() */
 	struct counters c;
 	pthread_t thread;	/* the background thread, if have_thread */
 	bool have_thread;
@@ -555,8 +557,8 @@ struct bg_state {
  * active list may not show it (MGLRU keeps page cache read through
  * read() out of it, and our own steps deactivate it).  It is added to
  * the floor, up to the page cache there is, and kept for longer than a
- * floor read from the lists: every further back-off for refaults adds
- * to it and renews it, and it lapses when nothing refaulted for
+ * floor read from the lists: every further refault learned adds to it
+ * and renews it, and it lapses when nothing refaulted for
  * BG_LEARNED_HOLD_MS, so a working set that shrank is given back then.
  * Only what came back counts, not the page cache as it stood: refaults
  * of a hot set while a large file is read once would otherwise make
@@ -564,14 +566,52 @@ struct bg_state {
  */
 static void learn(const struct sample *prev, const struct sample *now)
 {
+	uint64_t from = prev->refaults;
 	struct meminfo m;
 
+	/* What learn_slow_refaults() already added is not added twice. */
+	if (rc.counted_us && rc.counted_refaults > from)
+		from = rc.counted_refaults;
+	if (now->refaults <= from)
+		return;
+	rc.counted_refaults = now->refaults;
+	rc.counted_us = now->t_us;
 	if (read_meminfo(&m))
 		return;
-	rc.learned_floor += (now->refaults - prev->refaults) * PAGE_BYTES;
+	rc.learned_floor += (now->refaults - from) * PAGE_BYTES;
 	if (rc.learned_floor > m.file_lru)
 		rc.learned_floor = m.file_lru;
 	rc.learned_us = now->t_us;
+}
+
+/*
+ * Refaults are learned however slowly they come.  A hot set we cut into
+ * comes back a little after each use, which a single check (at most a
+ * second apart while we reclaim) may never see as more than
+ * REFAULT_LIMIT_PAGES; and a trim starts its checks afresh, so what
+ * came back since the previous trim was not looked at at all
+ * (fleet-overcommit 2026-11-30: at 6 guests some refaulted several
+ * thousand pages of their hot files in a run while their host asked
+ * for trims every few seconds).  Counted from the last count learned, they are
+ * learned once they add up to more than the limit within
+ * BG_LEARNED_HOLD_MS; a trickle slower than that starts counting
+ * afresh.  Whoever evicted them, a refault says the page was in use.
+ */
+static void learn_slow_refaults(const struct sample *now)
+{
+	struct sample counted = { .refaults = rc.counted_refaults };
+
+	/* Only a failed read (which leaves 0) goes backwards. */
+	if (now->refaults < rc.counted_refaults)
+		return;
+	if (!rc.counted_us ||
+	    now->t_us - rc.counted_us > BG_LEARNED_HOLD_MS * 1000LL) {
+		rc.counted_refaults = now->refaults;
+		rc.counted_us = now->t_us;
+		return;
+	}
+	if (now->refaults - rc.counted_refaults > REFAULT_LIMIT_PAGES)
+		learn(&counted, now);
 }
 
 /* Let the held floor, and the learned one, lapse when their time is up. */
@@ -603,6 +643,7 @@ static long long background_tick(struct bg_state *st,
 	if (st->fresh || st->epoch != rc.epoch) {
 		/* Just switched on, or a trim ran: start a clean window. */
 		take_sample(&st->prev, false);
+		learn_slow_refaults(&st->prev);
 		st->quiet = st->prev;
 		st->epoch = rc.epoch;
 		st->fresh = false;
@@ -610,9 +651,11 @@ static long long background_tick(struct bg_state *st,
 	}
 	take_sample(&now, true);
 	why = pressure(&st->prev, &st->quiet, &now);
+	if (why && !strcmp(why, "refaults"))
+		learn(&st->prev, &now);
+	else
+		learn_slow_refaults(&now);
 	if (why) {
-		if (!strcmp(why, "refaults"))
-			learn(&st->prev, &now);
 		rc.c.backoffs++;
 		st->backoff_ms = st->backoff_ms ?
 			st->backoff_ms * 2 : BG_BACKOFF_MIN_MS;
@@ -847,6 +890,8 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 	long long cpu;
 
 	take_sample(&prev, false);
+	/* What came back since our last reclaim counts before this one. */
+	learn_slow_refaults(&prev);
 	quiet = prev;
 	t->refaults_before = prev.refaults;
 	for (;;) {
@@ -866,6 +911,8 @@ static void trim_loop(struct trim *t, uint64_t step_max)
 		why = pressure(&prev, &quiet, &now);
 		if (why && !strcmp(why, "refaults"))
 			learn(&prev, &now);
+		else
+			learn_slow_refaults(&now);
 		prev = now;
 		if (why) {
 			t->backoffs++;

@@ -38,7 +38,10 @@ pytestmark = pytest.mark.guest
 
 DISK = 640 * MiB  # read once: cold
 HOT = 128 * MiB  # read again and again: the working set, above the floor's 64 MiB minimum
-COLD_AGAIN = 192 * MiB  # read once more, for the background reclaimer
+# Read for the background reclaimer: past DISK, never read before.  Pages
+# a trim evicted and the guest reads again are refaults, which the
+# reclaimer learns into its floor: they would not be a fresh cold cache.
+COLD_AGAIN = 192 * MiB
 PATTERN = 32 * MiB  # anonymous data that must arrive intact
 SEED = 2020
 PAGE = 4096
@@ -50,9 +53,15 @@ def page_cache(agent: AgentClient) -> int:
     return info["Buffers"] + info["Cached"]
 
 
+REFAULTS = "grep -E '^workingset_refault(_anon|_file)? ' /proc/vmstat"
+
+
 def refaults(agent: AgentClient) -> int:
-    out = agent.check("grep -E '^workingset_refault(_anon|_file)? ' /proc/vmstat").stdout
-    return sum(int(line.split()[1]) for line in out.splitlines())
+    return vmstat_sum(agent.check(REFAULTS).stdout)
+
+
+def vmstat_sum(lines: str) -> int:
+    return sum(int(line.split()[1]) for line in lines.splitlines())
 
 
 SIZE = r"([\d.]+ (?:B|KiB|MiB|GiB))"
@@ -134,7 +143,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
     tmp_path: Path, run_env: dict[str, str], kernel: str, driver: str
 ) -> None:
     name = "trim"
-    disk = workload.scratch_disk(tmp_path / "scratch.img", DISK)
+    disk = workload.scratch_disk(tmp_path / "scratch.img", DISK + COLD_AGAIN)
     config = VMConfig(
         name=name,
         memory=1 * GiB,
@@ -204,6 +213,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
         finally:
             moved.disconnect()
 
+        refaults_between_trims_are_learned(run_env, name)
         # `thinvm trim` on its own, bounded in bytes, for scripts.
         proc = cli(run_env, "trim", name, "--max-bytes", "16M", "--json")
         result = json.loads(proc.stdout)
@@ -226,9 +236,45 @@ def trims_back_to_back_keep_the_floor(run_env: dict[str, str], name: str) -> Non
     assert taken < HOT // 4, again
 
 
+def trim_json(env: dict[str, str], name: str, max_bytes: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(
+        cli(env, "trim", name, "--max-bytes", max_bytes, "--json").stdout
+    )
+    return result
+
+
+def refaults_between_trims_are_learned(run_env: dict[str, str], name: str) -> None:
+    """Pages that come back between two trims were in use: the second
+    trim adds them to the floor it keeps before it takes anything.  Each
+    trim used to count only the refaults during its own steps: what came
+    back between the trims a host asks for every few seconds went
+    uncounted.  The disk's first 384 MiB (the hot subset and what the
+    trims took after it) are evicted here behind the reclaimer's back
+    (its floor would keep the hot subset) and read again; the kernel
+    keeps the history of part of them only, so what came back is
+    measured, not assumed."""
+    learned = trim_json(run_env, name, "4M")["guest"]["learned_floor_bytes"]
+    before = cli(run_env, "exec", name, "--", "sh", "-c", REFAULTS).stdout
+    evict_and_read_again = (
+        "echo 1G > /sys/fs/cgroup/memory.reclaim 2>/dev/null; "
+        f"dd if=/dev/vda of=/dev/null bs=1M count={3 * HOT // MiB} 2>/dev/null"
+    )
+    cli(run_env, "exec", name, "--", "sh", "-c", evict_and_read_again)
+    after = cli(run_env, "exec", name, "--", "sh", "-c", REFAULTS).stdout
+    came_back = (vmstat_sum(after) - vmstat_sum(before)) * PAGE
+    guest = trim_json(run_env, name, "4M")["guest"]
+    print(
+        f"{format_size(came_back)} came back; learned floor {format_size(learned)} -> "
+        f"{format_size(guest['learned_floor_bytes'])}; the trim took "
+        f"{format_size(guest['reclaimed_bytes_trim'])}"
+    )
+    assert came_back >= 16 * MiB, "the eviction left nothing to come back"
+    assert guest["learned_floor_bytes"] - learned >= came_back // 2, guest
+
+
 def background_keeps_hot_and_backs_off_under_pressure(agent: AgentClient, qemu_pid: int) -> None:
     # Fresh cold cache for the background reclaimer to find.
-    workload.read_disk(agent, COLD_AGAIN, skip=HOT)
+    workload.read_disk(agent, COLD_AGAIN, skip=DISK)
     on = trim.set_background(agent, True)
     assert on is not None and on["background"]
     # It takes the cold pages while a reader keeps its hot subset.  How
