@@ -60,6 +60,7 @@
 #define BG_COMPACT_EVERY	(64 * MiB)
 #define BG_FLOOR_HOLD_MS	60000	/* then the working set is read afresh */
 #define BG_LEARNED_HOLD_MS	600000	/* a floor refaults taught us, see learn() */
+#define BG_SETTLE_MS		10000	/* younger page cache is not taken */
 
 /*
  * Memory freed in one go reaches the host at once (report_freed()): the
@@ -549,7 +550,48 @@ struct bg_state {
 	struct sample prev, quiet;
 	long long backoff_ms;
 	uint64_t since_compact;
+	/* The file LRU's size when the current window began, and when the
+	 * one before it began; 0 us: no window yet.  See settled_cache().
+	 */
+	long long window_us;
+	uint64_t window_lru;
+	uint64_t settled_lru;
 };
+
+/*
+ * The page cache as it stood BG_SETTLE_MS to twice that ago, at most what
+ * there is now: what a background step may take from, above the floor.
+ * Page cache read a moment ago is not known to be cold: a program reads
+ * its hot files for the first time along with everything else, and
+ * reclaim takes the oldest pages first, which are the first read.  (A
+ * 1 GiB 6.1 guest reading 384 MiB once and then 64 MiB of it again and
+ * again: the one step the background took, 17 MiB, came during the
+ * first read, from its start, and all of it came back, 4383 pages.)
+ * Reading what is already cached again does not grow the cache, so a
+ * guest that keeps reading the same files is trimmed as before.
+ */
+static uint64_t settled_cache(struct bg_state *st, const struct meminfo *m,
+			      long long t_us)
+{
+	if (!st->window_us) {
+		st->window_us = t_us;
+		st->window_lru = m->file_lru;
+		st->settled_lru = 0;
+	} else if (t_us - st->window_us >= BG_SETTLE_MS * 1000LL) {
+		st->settled_lru = st->window_lru;
+		st->window_lru = m->file_lru;
+		st->window_us = t_us;
+	}
+	return st->settled_lru < m->file_lru ? st->settled_lru : m->file_lru;
+}
+
+/* What a background step may take: above the floor, and settled. */
+static uint64_t settled_room(const struct meminfo *m, uint64_t settled)
+{
+	uint64_t floor = kept_floor(m);
+
+	return settled > floor ? settled - floor : 0;
+}
 
 /*
  * Refaults after our steps (a background tick's or a trim's) mean we
@@ -667,7 +709,7 @@ static long long background_tick(struct bg_state *st,
 	st->backoff_ms = 0;
 	st->prev = now;
 	renew_floor(now.t_us);
-	avail = m ? room(m) : 0;
+	avail = m ? settled_room(m, settled_cache(st, m, now.t_us)) : 0;
 	if (avail < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
@@ -746,6 +788,7 @@ static void *background_main(void *unused)
 			st.fresh = true;
 			st.next_tick_us = 0;
 			st.last_free = 0;
+			st.window_us = 0;
 			pthread_cond_wait(&rc.cond, &rc.lock);
 		}
 		probe();
@@ -753,8 +796,12 @@ static void *background_main(void *unused)
 			wait_locked(BG_IDLE_MS);
 			continue;
 		}
-		/* One read of /proc/meminfo serves both, once a second. */
+		/* One read of /proc/meminfo serves all three, once a second:
+		 * settled_cache() keeps its windows while ticks back off.
+		 */
 		have_m = !read_meminfo(&m);
+		if (have_m)
+			settled_cache(&st, &m, mono_us());
 		if (have_m && report_freed(&st, &m)) {
 			/* It let the lock go while the kernel reported: a STOP
 			 * may have come through, and a trim may have run.
