@@ -215,8 +215,7 @@ def test_trim_returns_cold_cache_keeps_hot_and_shrinks_migration(
 
         refaults_between_trims_are_learned(run_env, name)
         # `thinvm trim` on its own, bounded in bytes, for scripts.
-        proc = cli(run_env, "trim", name, "--max-bytes", "16M", "--json")
-        result = json.loads(proc.stdout)
+        result = trim_json(run_env, name, "16M")
         assert result["trimmed"] and result["guest"]["stop"] in ("max_bytes", "floor"), result
     finally:
         stop_detached(vm, name, run_env)
