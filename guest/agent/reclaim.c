@@ -136,8 +136,9 @@ struct reclaimer {
 	long long held_us;	/* when it was last read afresh */
 	uint64_t learned_floor;	/* see learn(); 0 if none */
 	long long learned_us;	/* when learned_floor was last raised */
-	uint64_t counted_refaults;	/* refaults learn() has seen, see */
-	long long counted_us;		/* learn_slow_refaults() */
+	/* Refaults counted so far, and since when: learn_slow_refaults() */
+	uint64_t counted_refaults;
+	long long counted_us;
 	struct counters c;
 	pthread_t thread;	/* the background thread, if have_thread */
 	bool have_thread;
@@ -550,7 +551,8 @@ struct bg_state {
 	struct sample prev, quiet;
 	long long backoff_ms;
 	uint64_t since_compact;
-	/* The file LRU's size when the current window began, and when the
+	/*
+	 * The file LRU's size when the current window began, and when the
 	 * one before it began; 0 us: no window yet.  See settled_cache().
 	 */
 	long long window_us;
@@ -634,8 +636,8 @@ static void learn(const struct sample *prev, const struct sample *now)
  * came back since the previous trim was not looked at at all
  * (fleet-overcommit 2026-11-30: at 6 guests some refaulted several
  * thousand pages of their hot files in a run while their host asked
- * for trims every few seconds).  Counted from the last count learned, they are
- * learned once they add up to more than the limit within
+ * for trims every few seconds).  Counted from the last count learned,
+ * they are learned once they add up to more than the limit within
  * BG_LEARNED_HOLD_MS; a trickle slower than that starts counting
  * afresh.  Whoever evicted them, a refault says the page was in use.
  */
@@ -796,7 +798,8 @@ static void *background_main(void *unused)
 			wait_locked(BG_IDLE_MS);
 			continue;
 		}
-		/* One read of /proc/meminfo serves all three, once a second:
+		/*
+		 * One read of /proc/meminfo serves all three, once a second:
 		 * settled_cache() keeps its windows while ticks back off.
 		 */
 		have_m = !read_meminfo(&m);
