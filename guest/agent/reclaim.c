@@ -572,8 +572,15 @@ struct bg_state {
  * Reading what is already cached again does not grow the cache, so a
  * guest that keeps reading the same files is trimmed as before.
  */
-static uint64_t settled_cache(struct bg_state *st, const struct meminfo *m,
-			      long long t_us)
+static uint64_t settled_cache(const struct bg_state *st,
+			      const struct meminfo *m)
+{
+	return st->settled_lru < m->file_lru ? st->settled_lru : m->file_lru;
+}
+
+/* Start a new window when the current one is BG_SETTLE_MS old. */
+static void keep_windows(struct bg_state *st, const struct meminfo *m,
+			 long long t_us)
 {
 	if (!st->window_us) {
 		st->window_us = t_us;
@@ -584,7 +591,6 @@ static uint64_t settled_cache(struct bg_state *st, const struct meminfo *m,
 		st->window_lru = m->file_lru;
 		st->window_us = t_us;
 	}
-	return st->settled_lru < m->file_lru ? st->settled_lru : m->file_lru;
 }
 
 /* What a background step may take: above the floor, and settled. */
@@ -711,7 +717,7 @@ static long long background_tick(struct bg_state *st,
 	st->backoff_ms = 0;
 	st->prev = now;
 	renew_floor(now.t_us);
-	avail = m ? settled_room(m, settled_cache(st, m, now.t_us)) : 0;
+	avail = m ? settled_room(m, settled_cache(st, m)) : 0;
 	if (avail < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
@@ -800,11 +806,11 @@ static void *background_main(void *unused)
 		}
 		/*
 		 * One read of /proc/meminfo serves all three, once a second:
-		 * settled_cache() keeps its windows while ticks back off.
+		 * the windows of settled_cache() go on while ticks back off.
 		 */
 		have_m = !read_meminfo(&m);
 		if (have_m)
-			settled_cache(&st, &m, mono_us());
+			keep_windows(&st, &m, mono_us());
 		if (have_m && report_freed(&st, &m)) {
 			/* It let the lock go while the kernel reported: a STOP
 			 * may have come through, and a trim may have run.

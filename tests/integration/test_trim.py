@@ -64,6 +64,11 @@ def vmstat_sum(lines: str) -> int:
     return sum(int(line.split()[1]) for line in lines.splitlines())
 
 
+def refaults_by_cli(env: dict[str, str], name: str) -> int:
+    """refaults(), for a guest the CLI reaches (its agent is the CLI's)."""
+    return vmstat_sum(cli(env, "exec", name, "--", "sh", "-c", REFAULTS).stdout)
+
+
 SIZE = r"([\d.]+ (?:B|KiB|MiB|GiB))"
 
 
@@ -253,14 +258,13 @@ def refaults_between_trims_are_learned(run_env: dict[str, str], name: str) -> No
     keeps the history of part of them only, so what came back is
     measured, not assumed."""
     learned = trim_json(run_env, name, "4M")["guest"]["learned_floor_bytes"]
-    before = cli(run_env, "exec", name, "--", "sh", "-c", REFAULTS).stdout
+    before = refaults_by_cli(run_env, name)
     evict_and_read_again = (
         "echo 1G > /sys/fs/cgroup/memory.reclaim 2>/dev/null; "
         f"dd if=/dev/vda of=/dev/null bs=1M count={3 * HOT // MiB} 2>/dev/null"
     )
     cli(run_env, "exec", name, "--", "sh", "-c", evict_and_read_again)
-    after = cli(run_env, "exec", name, "--", "sh", "-c", REFAULTS).stdout
-    came_back = (vmstat_sum(after) - vmstat_sum(before)) * PAGE
+    came_back = (refaults_by_cli(run_env, name) - before) * PAGE
     guest = trim_json(run_env, name, "4M")["guest"]
     print(
         f"{format_size(came_back)} came back; learned floor {format_size(learned)} -> "
