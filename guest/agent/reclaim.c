@@ -383,11 +383,18 @@ static uint64_t kept_floor(const struct meminfo *m)
 	return held_floor(m) + rc.learned_floor;
 }
 
-static uint64_t room(const struct meminfo *m)
+/* What a step may take from `cache` bytes of page cache: above the floor. */
+static uint64_t above_floor(const struct meminfo *m, uint64_t cache)
 {
 	uint64_t floor = kept_floor(m);
 
-	return m->file_lru > floor ? m->file_lru - floor : 0;
+	return cache > floor ? cache - floor : 0;
+}
+
+/* What a trim step may take: all the page cache above the floor. */
+static uint64_t room(const struct meminfo *m)
+{
+	return above_floor(m, m->file_lru);
 }
 
 /*
@@ -593,14 +600,6 @@ static void keep_windows(struct bg_state *st, const struct meminfo *m,
 	}
 }
 
-/* What a background step may take: above the floor, and settled. */
-static uint64_t settled_room(const struct meminfo *m, uint64_t settled)
-{
-	uint64_t floor = kept_floor(m);
-
-	return settled > floor ? settled - floor : 0;
-}
-
 /*
  * Refaults after our steps (a background tick's or a trim's) mean we
  * reclaimed into the working set: what came back is in use, and the
@@ -717,7 +716,8 @@ static long long background_tick(struct bg_state *st,
 	st->backoff_ms = 0;
 	st->prev = now;
 	renew_floor(now.t_us);
-	avail = m ? settled_room(m, settled_cache(st, m)) : 0;
+	/* Only settled page cache, see settled_cache(). */
+	avail = m ? above_floor(m, settled_cache(st, m)) : 0;
 	if (avail < STEP_MIN) {
 		if (st->since_compact && compact())
 			st->since_compact = 0;
