@@ -9,7 +9,7 @@ import pytest
 from thinvm.bench import scenarios as bench_scenarios
 from thinvm.bench.scenarios import fleet, fleet_ws, hostcpus
 from thinvm.bench.scenarios.common import STOCK_CANDIDATES, THINVM_CANDIDATES, Candidate
-from thinvm.bench.types import BenchOptions, Scenario
+from thinvm.bench.types import BenchOptions, Metrics, Scenario
 from thinvm.errors import ThinvmError
 from thinvm.fleet import cluster, emulator, guest, hostcgroups, migrate
 from thinvm.guest import image as guest_image
@@ -219,13 +219,19 @@ def test_a_host_without_cgroups_is_given_a_cpuset_holding_its_processes(
 
 
 def test_a_leg_sums_migrations_and_keeps_the_worst_downtime() -> None:
+    """Sums over the guests, the source CPU's parts by thread kind too;
+    the worst guest's downtime is kept, not summed."""
     leg = fleet_ws.Leg("parallel_")
-    for seconds, downtime in ((1.5, "40 ms"), (2.0, "90 ms")):
+    for seconds, downtime, vcpu_s in ((1.5, "40 ms", 0.125), (2.0, "90 ms", 0.25)):
         job = {"Data processed": "100.000 MiB", "Total downtime": downtime}
         result = migrate.MigrationResult(seconds, "h1", "h2", job, {"sparse-skipped": 10}, 1)
-        leg.add(result, {"src_cpu_s": 0.5}, 0.25)
+        cpu: Metrics = {"src_cpu_s": 0.5, "src_vcpu_cpu_s": vcpu_s}
+        cpu["src_migration_cpu_s"] = 0.5 - vcpu_s
+        leg.add(result, cpu, 0.25)
     assert leg.metrics == {
         "parallel_migration_ms": 3500.0, "parallel_transferred_bytes": 200 * MiB,
         "parallel_downtime_ms": 90.0, "parallel_src_cpu_s": 1.0,
+        "parallel_src_migration_cpu_s": 0.625, "parallel_src_vcpu_cpu_s": 0.375,
+        "parallel_src_multifd_cpu_s": 0.0, "parallel_src_other_cpu_s": 0.0,
         "parallel_sparse_skipped_pages": 20, "parallel_hot_reread_ms": 500.0,
     }  # fmt: skip

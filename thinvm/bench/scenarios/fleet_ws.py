@@ -37,10 +37,10 @@ Variants:
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from thinvm.bench.cpu import MigrationCpu
+from thinvm.bench.cpu import KINDS, MigrationCpu
 from thinvm.bench.scenarios import fleet as fleet_bench
 from thinvm.bench.scenarios import hostcpus
 from thinvm.bench.scenarios.common import timed_by_agent
@@ -224,6 +224,9 @@ class Leg:
     transferred_bytes: int = 0
     downtime_ms: float = 0.0
     src_cpu_s: float = 0.0
+    # The source CPU by thread kind (thinvm.bench.cpu.KINDS): what of it
+    # is the migration thread sending, and what the guests' vCPUs.
+    src_kind_cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     skipped_pages: int = 0
     hot_reread_ms: float = 0.0
 
@@ -233,6 +236,8 @@ class Leg:
         downtime = fleet_bench.job_ms(result.job, "Total downtime") or 0.0
         self.downtime_ms = max(self.downtime_ms, downtime)
         self.src_cpu_s += float(cpu.get("src_cpu_s") or 0.0)
+        for kind in KINDS:
+            self.src_kind_cpu_s[kind] += float(cpu.get(f"src_{kind}_cpu_s") or 0.0)
         self.skipped_pages += int(result.ram.get("sparse-skipped", 0))
         self.hot_reread_ms += hot_s * 1000
 
@@ -244,6 +249,7 @@ class Leg:
             f"{p}transferred_bytes": self.transferred_bytes,
             f"{p}downtime_ms": self.downtime_ms,
             f"{p}src_cpu_s": round(self.src_cpu_s, 3),
+            **{f"{p}src_{k}_cpu_s": round(v, 3) for k, v in self.src_kind_cpu_s.items()},
             f"{p}sparse_skipped_pages": self.skipped_pages,
             f"{p}hot_reread_ms": round(self.hot_reread_ms, 1),
         }
@@ -432,7 +438,9 @@ def description(work: Workload, size: int, link: str, kernel: str) -> str:
         "checked on arrival (pattern; `hot_reread_ms`: its hot subset read again there), and "
         f"moves back with `--parallel --parallel-connections {CHANNELS}` (`parallel_` "
         "figures). `src_rss_bytes`: the guests' QEMUs' RSS on the source at the window's "
-        "end; `src_cpu_s`: the source QEMUs' CPU during their migrations; "
+        "end; `src_cpu_s`: the source QEMUs' CPU during their migrations, and "
+        "`src_migration_cpu_s`, `src_vcpu_cpu_s`, `src_multifd_cpu_s`, `src_other_cpu_s` "
+        "its parts by thread (thinvm.bench.cpu; older records lack them); "
         "`reclaimer_thread_cpu_s` the guests' reclaimer threads' whole CPU from boot to the "
         "window's end (`reclaim_work_cpu_s` and `reclaim_steps` its reclaiming part), "
         "`reclaimer_thread_cpu_pct` a thread's mean share of one vCPU over the window "
