@@ -223,9 +223,9 @@ class Leg:
     migration_ms: float = 0.0
     transferred_bytes: int = 0
     downtime_ms: float = 0.0
-    src_cpu_s: float = 0.0
-    # The source CPU by thread kind (thinvm.bench.cpu.KINDS): what of it
-    # is the migration thread sending, and what the guests' vCPUs.
+    # The source CPU by thread kind (thinvm.bench.cpu.KINDS), which adds up
+    # to all of it: how much is the migration thread sending, how much the
+    # guests' vCPUs.
     src_kind_cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     skipped_pages: int = 0
     hot_reread_ms: float = 0.0
@@ -235,7 +235,6 @@ class Leg:
         self.transferred_bytes += migrate.job_bytes(result.job) or 0
         downtime = fleet_bench.job_ms(result.job, "Total downtime") or 0.0
         self.downtime_ms = max(self.downtime_ms, downtime)
-        self.src_cpu_s += float(cpu.get("src_cpu_s") or 0.0)
         for kind in KINDS:
             self.src_kind_cpu_s[kind] += float(cpu.get(f"src_{kind}_cpu_s") or 0.0)
         self.skipped_pages += int(result.ram.get("sparse-skipped", 0))
@@ -248,7 +247,7 @@ class Leg:
             f"{p}migration_ms": round(self.migration_ms, 1),
             f"{p}transferred_bytes": self.transferred_bytes,
             f"{p}downtime_ms": self.downtime_ms,
-            f"{p}src_cpu_s": round(self.src_cpu_s, 3),
+            f"{p}src_cpu_s": round(sum(self.src_kind_cpu_s.values()), 3),
             **{f"{p}src_{k}_cpu_s": round(v, 3) for k, v in self.src_kind_cpu_s.items()},
             f"{p}sparse_skipped_pages": self.skipped_pages,
             f"{p}hot_reread_ms": round(self.hot_reread_ms, 1),
